@@ -1,0 +1,27 @@
+# Two entry points do all set-up on a fresh machine: `make serve` and `make test`.
+# torch is installed first and pinned (an unpinned torch pulls a multi-GB CUDA build).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.phalanx-installed
+
+.PHONY: serve test lint install
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/phalanx serve $(ARGS)
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check phalanx tests

@@ -1,0 +1,1 @@
+"""phalanx.core"""

@@ -1,0 +1,106 @@
+"""User-facing sampling parameters, validated on construction.
+
+Owns: the `SamplingParams` dataclass (field names mirror vLLM's) and its validation.
+Does not own: how the parameters are applied to logits (``phalanx.sample.sampler``) or how stop
+strings are matched against text (``phalanx.engine.detokenizer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    out = list(value)
+    for s in out:
+        if not isinstance(s, str) or s == "":
+            raise ValueError(f"{name} must contain non-empty strings, got {s!r}")
+    return out
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s). Validated in ``__post_init__``.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k (stored as 0).
+    ``max_tokens=None`` means "up to the model's context length".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.stop = _as_str_list(self.stop, "stop")  # type: ignore[arg-type]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, valid: str) -> ValueError:
+            return ValueError(f"{name} must be {valid}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0 (1 disables it)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None for 'up to the context length')")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "None or an integer >= 0")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", "None or an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "None or an integer")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

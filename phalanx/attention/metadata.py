@@ -1,0 +1,83 @@
+"""Attention metadata for one flattened, unpadded batch of mixed prefill / decode requests.
+
+Owns: `AttentionMetadata` and `build_attention_metadata`, the vectorised translation of
+(per-request query lengths, context lengths, block tables) into what the attention backend needs.
+Does not own: the attention math (``attention.torch_paged``) or the KV tensors.
+
+Layout. The batch is one flat token sequence, request after request:
+    q_lens [2, 1, 3], num_computed [0, 5, 8]  ->  tokens [a0 a1 | b5 | c8 c9 c10]
+    positions [0, 1, 5, 8, 9, 10],   slot of a token = block_table[req, pos // B] * B + pos % B.
+Requests with short queries (decodes, draft verification, short chunks) form the *decode group*:
+one padded [num_dec, max_q] query grid over their gathered blocks, one SDPA call for all of them.
+Longer queries (prefill chunks) form the *prefill group*: one SDPA call each, no padding to the
+longest request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# A query this short goes into the padded decode group (covers decode + up to 15 drafts).
+DECODE_GROUP_MAX_QUERY = 16
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # first token of this request in the flat batch
+    end: int
+    num_computed: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor | None  # [num_blocks] covering num_computed + q_len, None if no context
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, where each token's K/V is written
+    # decode group (None when empty)
+    dec_token_idx: torch.Tensor | None = None  # [Bd, Qd] int64 into the flat batch (padded with 0)
+    dec_valid: torch.Tensor | None = None  # [Bd, Qd] bool
+    dec_block_table: torch.Tensor | None = None  # [Bd, NBd] int64
+    dec_mask: torch.Tensor | None = None  # [Bd, 1, Qd, NBd * block_size] bool, True = attend
+    prefills: list[PrefillSeq] | None = None
+
+
+def build_attention_metadata(
+    q_lens: torch.Tensor,  # [R] int64 query tokens per request
+    num_computed: torch.Tensor,  # [R] int64 tokens already cached per request
+    block_table: torch.Tensor,  # [R, max_blocks] int64 (rows padded with 0)
+    block_size: int,
+) -> AttentionMetadata:
+    num_reqs = q_lens.shape[0]
+    total = int(q_lens.sum())
+    starts = torch.cumsum(q_lens, 0) - q_lens  # [R] first flat index of each request
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T]
+    # [a0 a1 | b5 | c8 c9 c10] -> positions [0, 1, 5, 8, 9, 10]
+    positions = torch.arange(total) - starts[req_of_token] + num_computed[req_of_token]
+    slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(num_tokens=total, positions=positions, slot_mapping=slot_mapping)
+
+    is_dec = q_lens <= DECODE_GROUP_MAX_QUERY
+    dec_rows = torch.nonzero(is_dec).flatten()
+    if dec_rows.numel():
+        dq = q_lens[dec_rows]
+        max_q = int(dq.max())
+        seq_lens = num_computed[dec_rows] + dq
+        num_blocks = int((seq_lens.max() + block_size - 1) // block_size)
+        offs = torch.arange(max_q)
+        meta.dec_valid = offs[None, :] < dq[:, None]
+        meta.dec_token_idx = torch.where(meta.dec_valid, starts[dec_rows][:, None] + offs[None, :], 0)
+        meta.dec_block_table = block_table[dec_rows, :num_blocks]
+        q_pos = num_computed[dec_rows][:, None] + offs[None, :]  # [Bd, Qd]
+        key_pos = torch.arange(num_blocks * block_size)
+        meta.dec_mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    pre_rows = torch.nonzero(~is_dec).flatten().tolist()
+    if pre_rows:
+        meta.prefills = []
+        for r in pre_rows:
+            start, q, nc = int(starts[r]), int(q_lens[r]), int(num_computed[r])
+            nb = (nc + q + block_size - 1) // block_size
+            meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
+    return meta

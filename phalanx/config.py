@@ -1,0 +1,274 @@
+"""Frozen, per-area engine configuration, validated at the boundary.
+
+Owns: `ModelConfig` (normalises messy Hugging Face configs written by transformers v4 or v5),
+`CacheConfig`, `SchedulerConfig`, `ParallelConfig` and the `EngineConfig` that bundles them.
+Does not own: speculative-decoding configuration (``phalanx.spec_decode.config``) or anything that
+needs torch at import time beyond dtype names.
+
+Every error message quotes the offending value and says what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
+    """Resolve a user dtype ("auto" / name / torch.dtype) against the checkpoint's own dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        if config_dtype is None:
+            return torch.float32
+        name = str(config_dtype).removeprefix("torch.")
+        return _DTYPES.get(name, torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; valid: 'auto', 'float32', 'bfloat16', 'float16'")
+    return _DTYPES[dtype]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine needs to know about one checkpoint, normalised.
+
+    Build with `ModelConfig.from_hf(path)`; the raw HF dict stays in `hf_config` for the rare
+    model-specific field.
+    """
+
+    path: str
+    architecture: str
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    # MoE (num_experts == 0 for dense models)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layer_ids: tuple[int, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_hf(
+        cls, path: str | os.PathLike[str], dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+    ) -> ModelConfig:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"model folder {str(path)!r} does not exist; pass a local Hugging Face checkpoint folder "
+                "(with config.json and *.safetensors) or a built-in model name"
+            )
+        cfg_file = folder / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{str(cfg_file)!r} not found: {str(path)!r} is not a Hugging Face model folder")
+        hf = _read_json(cfg_file)
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} of {str(path)!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        return cls._from_dict(str(folder), arch, hf, dtype, max_model_len)
+
+    @classmethod
+    def _from_dict(
+        cls, path: str, arch: str, hf: dict[str, Any], dtype: str | torch.dtype, max_model_len: int | None
+    ) -> ModelConfig:
+        text = hf.get("text_config") or {}
+        hf = {**text, **hf} if text else hf
+        if hf.get("use_sliding_window") or (
+            hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch == "MistralForCausalLM")
+        ):
+            raise ValueError(
+                f"sliding-window attention (sliding_window={hf.get('sliding_window')!r}) is not supported; "
+                "phalanx supports full attention only (set sliding_window to null)"
+            )
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or hidden // heads
+        rope_params = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or None
+        if rope_params and not rope_scaling:
+            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
+            rope_scaling = None if rtype == "default" else dict(rope_params)
+        rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        if rope_scaling is not None:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if rtype not in ("llama3", "linear", "default", None):
+                raise ValueError(f"rope scaling type {rtype!r} is not supported; supported: 'llama3', 'linear'")
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        if max_model_len is None:
+            max_model_len = max_pos
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len > max_pos and not rope_scaling:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        config_dtype = hf.get("dtype") or hf.get("torch_dtype")
+        num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        num_layers = int(hf["num_hidden_layers"])
+        moe_layers: tuple[int, ...] = ()
+        if num_experts:
+            step = int(hf.get("decoder_sparse_step") or 1)
+            mlp_only = set(hf.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
+        eos = _eos_token_ids(Path(path), hf)
+        return cls(
+            path=path,
+            architecture=arch,
+            dtype=parse_dtype(dtype, config_dtype),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(hf.get("intermediate_size") or 0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            max_model_len=max_model_len,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)) or arch.startswith("Qwen2"),
+            qk_norm=arch.startswith("Qwen3"),
+            hidden_act=str(hf.get("hidden_act", "silu")),
+            eos_token_ids=eos,
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", arch == "MixtralForCausalLM")),
+            moe_layer_ids=moe_layers,
+            hf_config=hf,
+        )
+
+
+def _eos_token_ids(folder: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (preferred) and config.json; order kept, deduplicated."""
+    ids: list[int] = []
+    sources = [hf]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        sources.insert(0, _read_json(gen))
+    for src in sources:
+        value = src.get("eos_token_id")
+        if value is None:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            if int(v) not in ids:
+                ids.append(int(v))
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_space: float = 1.0  # GiB of KV cache per engine rank
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None  # exact block count (tests use tiny caches)
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size!r}")
+        if not self.kv_cache_space > 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_blocks override must be >= 1, got {self.num_gpu_blocks_override!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {self.data_parallel_rank} out of range [0, {self.data_parallel_size})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0

@@ -1,0 +1,262 @@
+"""The scheduler: one rule, a token budget, FCFS admission, preemption by recompute.
+
+Owns: the waiting queue and running list, the per-step token budget, block allocation through
+``KVCacheManager``, preemption, aborts, and applying a step's results to requests (appending
+tokens, stop / length checks, draft acceptance bookkeeping).
+Does not own: tensors, sampling, text, or drafting (it only stores the drafts a proposer returned).
+
+The one rule: each step every running request, then each waiting request in arrival order, is
+given `min(num_tokens_with_spec - num_computed_tokens, remaining budget)` tokens. A fresh prompt,
+a prefill chunk, a resumed preempted request, a decode and a verification of k drafts are all just
+that. When blocks run out, the most recently admitted running request is preempted (its blocks
+are freed, `num_computed_tokens` goes back to 0, it returns to the head of the queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from phalanx.config import CacheConfig, SchedulerConfig
+from phalanx.core.kv_cache_manager import KVCacheManager
+from phalanx.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from phalanx.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, num_spec_tokens: int = 0
+    ) -> None:
+        self.config = config
+        self.max_model_len = config.max_model_len
+        self.num_spec_tokens = num_spec_tokens
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._runner_knows: set[str] = set()
+        self._finished_for_runner: set[str] = set()
+        self.num_preemptions = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * max(num_spec_tokens, 0)
+
+    # ---- intake ----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for output"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, req_ids: list[str]) -> list[Request]:
+        aborted = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.spec_token_ids = []
+        self.kv.free(req)
+        del self.requests[req.req_id]
+        if req.req_id in self._runner_knows:
+            self._runner_knows.discard(req.req_id)
+            self._finished_for_runner.add(req.req_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req, forget_hashes=False)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        # 1. Running requests catch up first, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(
+                req.num_tokens_with_spec - req.num_computed_tokens,
+                budget,
+                self.max_model_len - req.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(req, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()  # lowest priority: the latest admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled[req.req_id] = num_new
+            # Drafts that did not fit in the budget are dropped, not deferred.
+            num_spec = max(0, num_new - (req.num_tokens - req.num_computed_tokens))
+            if num_spec:
+                spec[req.req_id] = req.spec_token_ids[:num_spec]
+            req.spec_token_ids = req.spec_token_ids[:num_spec]
+            cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        # 2. Admit waiting requests in arrival order (not in a step that had to preempt).
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_block_ids = self.kv.allocate_slots(req, num_new, hit_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.kv.prefix_queries += req.num_tokens
+            self.kv.prefix_hits += num_hit
+            block_ids = self.kv.block_ids(req.req_id)
+            if req.req_id in self._runner_knows:
+                assert resumed
+                cached_reqs.append(CachedRequestData(req.req_id, block_ids, num_hit, resumed=True))
+            else:
+                self._runner_knows.add(req.req_id)
+                new_reqs.append(
+                    NewRequestData(req.req_id, req.prompt_token_ids, req.sampling_params, block_ids, num_hit)
+                )
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+
+        finished = self._finished_for_runner
+        self._finished_for_runner = set()
+        return SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            scheduled_spec_tokens=spec,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for i, req_id in enumerate(out.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            sampled = out.sampled_token_ids[i]
+            drafts = sched.scheduled_spec_tokens.get(req_id, [])
+            req.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+            if drafts:
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self._record_acceptance(req, len(drafts), num_accepted)
+            req.spec_token_ids = []
+            new_tokens: list[int] = []
+            status = None
+            for token in sampled:
+                new_tokens.append(token)
+                status = req.append_output(token)
+                if status is not None:
+                    break
+            self.kv.cache_computed_blocks(req)
+            logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs is not None else None
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            elif out.spec_token_ids is not None and new_tokens:
+                req.spec_token_ids = self._clip_drafts(req, out.spec_token_ids[i])
+            prompt_lps = out.prompt_logprobs.get(req_id)
+            if new_tokens or status is not None or prompt_lps:
+                reason = FinishReason.of(status) if status is not None else None
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id=req_id,
+                        new_token_ids=new_tokens,
+                        new_logprobs=logprobs,
+                        new_prompt_logprobs=prompt_lps,
+                        finish_reason=reason.value if reason else None,
+                        stop_reason=req.stop_reason,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        num_draft_tokens=req.num_draft_tokens,
+                        num_accepted_tokens=req.num_accepted_tokens,
+                        num_verify_steps=req.num_verify_steps,
+                    )
+                )
+        return outputs
+
+    def _clip_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        """Drafts never reach past max_tokens (k + 1 new tokens at most) or max_model_len."""
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        return list(drafts[: max(room, 0)])
+
+    def _record_acceptance(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        req.num_verify_steps += 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            if pos < len(self.spec_accepted_per_pos):
+                self.spec_accepted_per_pos[pos] += 1
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+        )

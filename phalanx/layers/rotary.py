@@ -1,0 +1,63 @@
+"""Rotary position embeddings (non-interleaved, "rotate half"), with Llama-3 and linear scaling.
+
+Owns: the inverse frequencies for each supported `rope_type` and a cos/sin table indexed by
+absolute position. Does not own: which positions a token has (the model runner computes them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "default":
+        return inv_freq
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: 'default', 'linear', 'llama3'")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

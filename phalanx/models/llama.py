@@ -1,0 +1,214 @@
+"""The Llama-family decoder: Llama, Mistral, Qwen2, Qwen3 and their MoE variants (Mixtral,
+Qwen2-MoE, Qwen3-MoE), which differ only in small switches read from `ModelConfig`.
+
+Owns: the module tree, the forward over one flat batch (returning final hidden states and, on
+request, auxiliary hidden states of chosen layers for EAGLE-3), `compute_logits`, and the map
+from Hugging Face checkpoint names to our (fused) parameters.
+Does not own: reading files (``models.loader``), attention math (``attention.torch_paged``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from phalanx.attention.metadata import AttentionMetadata
+from phalanx.attention.torch_paged import paged_attention
+from phalanx.config import ModelConfig
+from phalanx.layers.mlp import GatedMLP
+from phalanx.layers.moe import SparseMoE
+from phalanx.layers.norm import RMSNorm
+from phalanx.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, in_features: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        in_features = in_features or cfg.hidden_size
+        self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(
+        self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, in_features] -> [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if layer_id in cfg.moe_layer_ids:
+            self.mlp = SparseMoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM. `forward` returns final (normed) hidden states [T, H] and, when
+    `aux_layer_ids` is given, the residual stream entering each of those layers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        aux_layer_ids: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                aux.append(x)
+            x = layer(x, kv_caches[i], meta)
+        return self.model.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    # ---- checkpoint names -> parameters ---------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, shard = target
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter ({name!r})")
+            param = params[name]
+            with torch.no_grad():
+                _copy_shard(param, shard, tensor, self.config, hf_name)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_complete(params, loaded)
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        loaded_names = {n.split("#")[0] for n in loaded}
+        missing = [n for n in params if n not in loaded_names]
+        if missing:
+            raise ValueError(f"checkpoint {self.config.path!r} lacks weights for: {missing[:8]}")
+
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_EXPERT_PARTS = {"w1": ("w13", "gate"), "gate_proj": ("w13", "gate"), "w3": ("w13", "up"),
+                 "up_proj": ("w13", "up"), "w2": ("w2", None), "down_proj": ("w2", None)}
+
+
+def map_hf_name(hf_name: str, cfg: ModelConfig) -> tuple[str, str | None] | None:
+    """HF tensor name -> (our parameter name, shard) or None to skip (e.g. rotary buffers)."""
+    if "rotary_emb" in hf_name:
+        return None
+    m = _EXPERT_RE.match(hf_name)
+    if m:
+        prefix, expert, part = m.groups()
+        if part not in _EXPERT_PARTS:
+            raise ValueError(f"unknown expert tensor {hf_name!r}")
+        param, half = _EXPERT_PARTS[part]
+        return f"{prefix}.mlp.{param}", f"{expert}:{half}"
+    name = hf_name.replace(".block_sparse_moe.", ".mlp.")
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard = _FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+    return name, None
+
+
+def _copy_shard(param: torch.Tensor, shard: str | None, tensor: torch.Tensor, cfg: ModelConfig, hf_name: str) -> None:
+    def put(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.shape != src.shape:
+            raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(src)
+
+    if shard is None:
+        put(param, tensor)
+        return
+    if ":" in shard:  # expert e of a stacked expert tensor
+        expert_s, half = shard.split(":")
+        moe_param = param
+        e = int(expert_s)
+        dst = moe_param[e]
+        if half != "None":
+            inter = dst.shape[0] // 2
+            dst = dst[:inter] if half == "gate" else dst[inter:]
+        put(dst, tensor)
+        return
+    q_size = cfg.num_heads * cfg.head_dim
+    kv_size = cfg.num_kv_heads * cfg.head_dim
+    if shard in ("q", "k", "v"):
+        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        start, size = offsets[shard]
+        put(param[start : start + size], tensor)
+    else:  # gate / up halves of gate_up_proj
+        inter = param.shape[0] // 2
+        put(param[:inter] if shard == "gate" else param[inter:], tensor)

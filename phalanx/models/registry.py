@@ -1,0 +1,32 @@
+"""HF architecture name -> model class, and the one function that builds a loaded model.
+
+Owns: the registry dict and `load_model`. Variants are plain classes; no inheritance chains.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from phalanx.models.llama import CausalLM
+from phalanx.models.loader import iterate_weights
+
+# Every supported dense and MoE architecture shares the Llama-family decoder; the differences
+# (qkv bias, q/k norm, MoE routing, shared experts) are switches in ModelConfig.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
+
+
+def load_model(cfg: ModelConfig) -> CausalLM:
+    cls = MODEL_REGISTRY.get(cfg.architecture)
+    if cls is None:
+        raise ValueError(f"architecture {cfg.architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        model = cls(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.load_weights(iterate_weights(cfg.path))  # type: ignore[attr-defined]
+    model.eval()
+    return model  # type: ignore[return-value]

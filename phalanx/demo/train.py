@@ -1,0 +1,191 @@
+"""Train the phalanx-math demo models (CPU, one thread).
+
+    python -m phalanx.demo.train target     [--seed 0]   # LlamaForCausalLM, the target
+    python -m phalanx.demo.train draft      [--seed 0]   # small Llama draft, distilled on target outputs
+    python -m phalanx.demo.train eagle      [--seed 0]   # EAGLE-1 head on target hidden states
+    python -m phalanx.demo.train eagle3     [--seed 0]   # EAGLE-3 head on target hidden states
+    python -m phalanx.demo.train moe        [--seed 0]   # MixtralForCausalLM (4 experts, top-2)
+    python -m phalanx.demo.train moe-draft  [--seed 0]   # small Mixtral draft
+
+Data and tokenizer come from ``build/demo`` (``python -m phalanx.demo.build_all``
+creates them). Models are written to ``phalanx/demo/models/<name>/`` in bfloat16,
+loss curves to ``docs/img/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from phalanx.demo import MODELS_DIR
+from phalanx.demo.common import (
+    DATA_DIR, IMG_DIR, WORK_DIR, Timer, collate, encode_example, length_batches, load_rows, load_tokenizer, lr_at,
+    plot_curves, save_hf, setup, smooth,
+)
+
+# name -> (architecture, config kwargs, training kwargs)
+SPECS = {
+    "phalanx-math": ("llama", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2),
+                     dict(steps=2000, batch=32, lr=2e-3)),
+    "phalanx-math-draft": ("llama", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1),
+                           dict(steps=2000, batch=32, lr=3e-3)),
+    "phalanx-math-moe": ("mixtral", dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         num_local_experts=4, num_experts_per_tok=2),
+                         dict(steps=1200, batch=32, lr=2e-3)),
+    "phalanx-math-moe-draft": ("mixtral", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1,
+                                               num_local_experts=4, num_experts_per_tok=2),
+                               dict(steps=1200, batch=32, lr=3e-3)),
+}
+
+
+def make_model(arch: str, vocab: int, tok, **kw):
+    common = dict(vocab_size=vocab, max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
+                  rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**common, **kw))
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**common, **kw, output_router_logits=False, router_aux_loss_coef=0.02, sliding_window=None)
+    return MixtralForCausalLM(cfg)
+
+
+def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, note: str = "") -> dict:
+    """Train one causal LM from SPECS[name] on chat-formatted rows (loss on the answer)."""
+    from tqdm import tqdm
+
+    from phalanx.demo.evaluate import accuracy
+
+    arch, cfg_kw, tr = SPECS[name]
+    steps = steps or tr["steps"]
+    setup(seed)
+    tok = load_tokenizer()
+    model = make_model(arch, len(tok), tok, **cfg_kw)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {arch}, {nparams / 1e6:.2f}M parameters, {steps} steps x batch {tr['batch']} {note}", flush=True)
+
+    enc = [encode_example(tok, r["question"], r["answer"]) for r in rows]
+    lengths = [len(e[0]) for e in enc]
+    val = load_rows("validation")
+    venc = [encode_example(tok, r["question"], r["answer"]) for r in val[:256]]
+    vids, vatt, vlab = collate([e[0] for e in venc], [e[1] for e in venc], tok.pad_token_id)
+
+    rng = random.Random(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=tr["lr"], betas=(0.9, 0.95))
+    if arch == "mixtral":
+        model.config.output_router_logits = True
+    train_pts, val_pts = [], []
+    batches: list[list[int]] = []
+    t0 = time.time()
+    model.train()
+    bar = tqdm(range(steps), desc=name, mininterval=5)
+    for step in bar:
+        if not batches:
+            batches = length_batches(lengths, tr["batch"], rng)
+        b = batches.pop()
+        ids, att, lab = collate([enc[i][0] for i in b], [enc[i][1] for i in b], tok.pad_token_id)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, tr["lr"], warmup=min(100, steps // 10))
+        out = model(input_ids=ids, attention_mask=att, labels=lab)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_pts.append((step, out.loss.item()))
+        bar.set_postfix(loss=f"{out.loss.item():.3f}")
+        if (step + 1) % 200 == 0 or step + 1 == steps:
+            model.eval()
+            with torch.no_grad():
+                vl = model(input_ids=vids, attention_mask=vatt, labels=vlab).loss.item()
+            model.train()
+            val_pts.append((step, vl))
+            print(f"\nstep {step + 1}: train {sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]):.4f} "
+                  f"val {vl:.4f} ({time.time() - t0:.0f}s)", flush=True)
+    train_time = time.time() - t0
+    if arch == "mixtral":
+        model.config.output_router_logits = False
+    model.eval()
+    out_dir = MODELS_DIR / name
+    save_hf(model, tok, out_dir, tok.eos_token_id)
+    plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
+                f"{name} ({nparams / 1e6:.1f}M params)")
+    # accuracy of the saved (bf16) weights, computed in fp32
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    with Timer(f"{name} validation accuracy"):
+        acc, _ = accuracy(saved, tok, val, desc="val-acc")
+    res = {"name": name, "params": nparams, "steps": steps, "batch": tr["batch"], "train_time_s": round(train_time),
+           "final_train_loss": sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]),
+           "final_val_loss": val_pts[-1][1], "val_accuracy": acc, "seed": seed}
+    print(json.dumps(res), flush=True)
+    (WORK_DIR / "results").mkdir(parents=True, exist_ok=True)
+    (WORK_DIR / "results" / f"{name}.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def distill_rows(seed: int, n: int) -> list[dict]:
+    """Train questions answered by the target's own greedy outputs (cached in build/demo)."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.demo.evaluate import greedy_generate
+
+    cache = WORK_DIR / "target_outputs.jsonl"
+    rows = load_rows("train")[:n]
+    have = []
+    if cache.exists():
+        have = [json.loads(line) for line in open(cache)]
+    if len(have) < n:
+        setup(seed)
+        tok = load_tokenizer()
+        model = AutoModelForCausalLM.from_pretrained(MODELS_DIR / "phalanx-math", dtype=torch.float32)
+        todo = rows[len(have):]
+        with Timer(f"target greedy outputs for {len(todo)} train questions"):
+            outs = greedy_generate(model, tok, [r["question"] for r in todo], batch_size=64, desc="target-gen")
+        with open(cache, "a") as f:
+            for r, o in zip(todo, outs):
+                f.write(json.dumps({"question": r["question"], "answer": o.strip()}) + "\n")
+        have = [json.loads(line) for line in open(cache)]
+    return have[:n]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["target", "draft", "eagle", "eagle3", "moe", "moe-draft"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None)
+    a = ap.parse_args(argv)
+    if not (DATA_DIR / "train.jsonl").exists():
+        raise SystemExit("no data: run `python -m phalanx.demo.build_all --only data` first")
+    t0 = time.time()
+    if a.what == "target":
+        train_lm("phalanx-math", a.seed, load_rows("train"), a.steps)
+    elif a.what == "moe":
+        train_lm("phalanx-math-moe", a.seed, load_rows("train"), a.steps)
+    elif a.what == "draft":
+        train_lm("phalanx-math-draft", a.seed, distill_rows(a.seed, 64000), a.steps, note="(distilled)")
+    elif a.what == "moe-draft":
+        train_lm("phalanx-math-moe-draft", a.seed, load_rows("train"), a.steps)
+    else:
+        from phalanx.demo import eagle
+
+        eagle.train(a.what, a.seed, a.steps)
+    print(f"total wall time {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -43,7 +43,8 @@ class KVCacheManager:
     # ---- prefix hits ---------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of `req` in whole blocks, leaving at least one token to compute."""
-        if not self.enable_caching:
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed, so they never read the cache.
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(req, max_blocks)

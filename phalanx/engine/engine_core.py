@@ -1,0 +1,93 @@
+"""The engine core: one scheduler + one model runner, stepped in a loop. Token ids only.
+
+Owns: request intake (validation against the vocabulary and context length, resolving
+max_tokens), the step (`schedule -> execute -> update`), aborts and statistics.
+Does not own: text (the front end's ``output_processor``), processes and sockets
+(``engine.core_process``), the data-parallel loop (``distributed``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from phalanx.config import EngineConfig
+from phalanx.core.outputs import EngineCoreOutput, SchedulerStats
+from phalanx.core.scheduler import Scheduler
+from phalanx.request import Request
+from phalanx.sampling_params import SamplingParams
+from phalanx.worker.model_runner import ModelRunner
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks)
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.scheduler.max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        validate_prompt_tokens(prompt_token_ids, self.cfg.model.vocab_size, self.max_model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate_prompt(request.prompt_token_ids)
+        params = request.sampling_params
+        room = self.max_model_len - len(request.prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(
+            req_id=request.req_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.cfg.model.eos_token_ids,
+            arrival_time=request.arrival_time or time.monotonic(),
+            max_tokens=max_tokens,
+        )
+        self.scheduler.add_request(req)
+        self.num_prompt_tokens += len(req.prompt_token_ids)
+
+    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
+        aborted = self.scheduler.abort_requests(req_ids)
+        return [EngineCoreOutput(req_id=r.req_id, new_token_ids=[], finish_reason="abort") for r in aborted]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, result)
+        self.num_steps += 1
+        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+
+def validate_prompt_tokens(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if len(prompt_token_ids) == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len}; "
+            f"prompts must be at most {max_model_len - 1} tokens to leave room for output"
+        )
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")

@@ -1,0 +1,231 @@
+"""Front-end request state: token ids -> text, stop strings, logprobs, `n` > 1 fan-out.
+
+Owns: per-request front-end state (incremental detokenizer, stop-string checker, accumulated
+tokens / text / logprobs), turning `EngineCoreOutput`s into cumulative `RequestOutput`s, and
+naming the engine requests that must be aborted because a stop string ended them.
+Does not own: the engine (callers forward `abort_ids`), HTTP or streaming formats.
+
+Used by the offline `LLM` and by the API server alike, so both produce identical text.
+A parent request with `n` samples becomes n engine requests "i_<parent id>" (i = 0..n-1); a
+seeded parent gives child i the seed `seed + i`, as vLLM does, so samples differ but reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.core.outputs import EngineCoreOutput, TokenLogprobs
+from phalanx.engine.detokenizer import IncrementalDetokenizer, StopStringChecker, detokenize_logprobs
+from phalanx.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from phalanx.sampling_params import SamplingParams
+
+
+def child_request_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+@dataclass
+class _Child:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    stop: StopStringChecker
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_verify_steps=self.num_verify_steps,
+        )
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.completion() for c in self.children],
+            finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]  # one per parent that changed, cumulative
+    abort_ids: list[str]  # engine request ids to abort (a stop string ended them)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
+
+    def __len__(self) -> int:
+        return len(self._parents)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a parent request; returns the (engine request id, params) of each sample."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model folder has none")
+        children = []
+        engine_reqs = []
+        for i in range(params.n):
+            p = child_params(params, i)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, p.skip_special_tokens, p.spaces_between_special_tokens
+                )
+            child = _Child(i, p, detok, StopStringChecker(p.stop, p.include_stop_str_in_output))
+            if p.logprobs is not None:
+                child.logprobs = []
+                child.cumulative_logprob = 0.0
+            children.append(child)
+            engine_reqs.append((child_request_id(request_id, i, params.n), p))
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), children)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = []
+        self._parents[request_id] = parent
+        for (child_id, _), child in zip(engine_reqs, children):
+            self._child_to_parent[child_id] = (parent, child)
+        return engine_reqs
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        n = len(parent.children)
+        return [child_request_id(request_id, c.index, n) for c in parent.children if c.finish_reason is None]
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a parent (client went away); returns its unfinished engine request ids to abort."""
+        ids = self.engine_ids(request_id)
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            n = len(parent.children)
+            for c in parent.children:
+                self._child_to_parent.pop(child_request_id(request_id, c.index, n), None)
+        return ids
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        changed: dict[str, _Parent] = {}
+        abort_ids: list[str] = []
+        for out in outputs:
+            entry = self._child_to_parent.get(out.req_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue
+            if self._apply(parent, child, out):
+                abort_ids.append(out.req_id)
+            changed[parent.request_id] = parent
+            if child.finish_reason is not None:
+                del self._child_to_parent[out.req_id]
+        results = []
+        for parent in changed.values():
+            results.append(parent.output())
+            if parent.finished:
+                del self._parents[parent.request_id]
+        return ProcessedOutputs(results, abort_ids)
+
+    def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
+        """Fold one engine output into the child; True if a stop string ended it early."""
+        if child.index == 0:
+            parent.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+        child.num_draft_tokens = out.num_draft_tokens
+        child.num_accepted_tokens = out.num_accepted_tokens
+        child.num_verify_steps = out.num_verify_steps
+        child.token_ids.extend(out.new_token_ids)
+        if child.logprobs is not None and out.new_logprobs:
+            for entry in self._logprob_dicts(out.new_logprobs):
+                assert entry is not None
+                child.logprobs.append(entry)
+            child.cumulative_logprob = (child.cumulative_logprob or 0.0) + sum(
+                lp.logprobs[0] for lp in out.new_logprobs
+            )
+        engine_finished = out.finish_reason is not None
+        if child.detok is None:
+            if engine_finished:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            return False
+        delta = child.detok.add_tokens(out.new_token_ids)
+        if engine_finished:
+            delta += child.detok.flush()
+        emit, matched = child.stop.process(delta)
+        if matched is None and engine_finished:
+            emit += child.stop.flush()
+            matched = child.stop.matched
+        child.text += emit
+        if matched is not None:
+            child.finish_reason, child.stop_reason = "stop", matched
+            return not engine_finished
+        if engine_finished:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _logprob_dicts(self, entries: list[TokenLogprobs | None]) -> list[dict[int, Logprob] | None]:
+        result: list[dict[int, Logprob] | None] = []
+        for e in entries:
+            if e is None:
+                result.append(None)
+                continue
+            texts = detokenize_logprobs(self.tokenizer, e.token_ids) if self.tokenizer is not None else None
+            d: dict[int, Logprob] = {}
+            for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs)):
+                if tid in d:
+                    continue
+                rank = e.rank if j == 0 else j
+                d[tid] = Logprob(lp, rank, texts[j] if texts else None)
+            result.append(d)
+        return result

@@ -1,0 +1,218 @@
+"""The model runner: `execute(SchedulerOutput) -> ModelRunnerOutput`.
+
+Owns: the model replica, its paged KV-cache tensors, the per-request state the runner keeps
+between steps (token ids, block table, the seeded request's generator), building the flat batch
+(input ids, attention metadata), running the forward, sampling / verifying drafts, prompt
+logprobs, and asking the proposer for the next drafts.
+Does not own: deciding what runs (``core.scheduler``), stop conditions or text.
+
+The batch is built with one Python loop over the scheduled requests; everything per token is a
+tensor op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from phalanx.attention.metadata import build_attention_metadata
+from phalanx.config import EngineConfig, ModelConfig
+from phalanx.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from phalanx.models.llama import CausalLM
+from phalanx.models.registry import load_model
+from phalanx.sample.metadata import SamplingMetadata
+from phalanx.sample.rejection import rejection_sample
+from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
+from phalanx.sampling_params import SamplingParams
+
+_GIB = 1 << 30
+
+
+@dataclass
+class RunnerRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs, as known to the runner
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+
+def kv_cache_num_blocks(cfg: EngineConfig) -> int:
+    m = cfg.model
+    bytes_per_block = (
+        2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * torch.finfo(m.dtype).bits // 8
+    )
+    num_blocks = cfg.cache.num_gpu_blocks_override or int(cfg.cache.kv_cache_space * _GIB // bytes_per_block)
+    if num_blocks * cfg.cache.block_size < cfg.scheduler.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * cfg.cache.block_size} tokens ({num_blocks} blocks of "
+            f"{cfg.cache.block_size}), fewer than max_model_len {cfg.scheduler.max_model_len}; "
+            "raise kv_cache_space or lower max_model_len"
+        )
+    return num_blocks
+
+
+def allocate_kv_caches(m: ModelConfig, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, m.num_kv_heads, m.head_dim)
+    return [torch.zeros(shape, dtype=m.dtype) for _ in range(m.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model: CausalLM | None = None) -> None:
+        self.cfg = cfg
+        self.block_size = cfg.cache.block_size
+        self.model = model if model is not None else load_model(cfg.model)
+        self.num_blocks = kv_cache_num_blocks(cfg)
+        self.kv_caches = allocate_kv_caches(cfg.model, self.num_blocks, self.block_size)
+        self.eos_token_ids = set(cfg.model.eos_token_ids)
+        self.sampler = Sampler(cfg.seed)
+        self.requests: dict[str, RunnerRequestState] = {}
+
+    # ---- state diffs -----------------------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed)
+            self.requests[new.req_id] = RunnerRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=gen,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                token_ids=list(new.prompt_token_ids),
+            )
+        for cached in sched.cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.resumed:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        req_ids = list(sched.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+        # One loop over the batch: gather each request's tokens, lengths and block table row.
+        input_ids: list[int] = []
+        q_lens: list[int] = []
+        num_computed: list[int] = []
+        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
+        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
+        sampling: list[int] = []  # batch indices of requests that produce tokens this step
+        drafts_of: list[list[int]] = []
+        logit_rows: list[int] = []  # flat token index of every row to compute logits for
+        prompt_lp_reqs: list[tuple[int, int, int]] = []  # (batch index, first prompt pos, count)
+        offset = 0
+        for i, req_id in enumerate(req_ids):
+            st = self.requests[req_id]
+            n = sched.num_scheduled_tokens[req_id]
+            drafts = sched.scheduled_spec_tokens.get(req_id, [])
+            nc = st.num_computed_tokens
+            real_end = nc + n - len(drafts)
+            input_ids.extend(st.token_ids[nc:real_end])
+            input_ids.extend(drafts)
+            q_lens.append(n)
+            num_computed.append(nc)
+            block_table[i, : len(st.block_ids)] = torch.tensor(st.block_ids, dtype=torch.int64)
+            if st.sampling_params.prompt_logprobs is not None and nc < st.num_prompt_tokens - 1:
+                count = min(real_end, len(st.prompt_token_ids) - 1) - nc
+                prompt_lp_reqs.append((i, nc, count))
+            if real_end == len(st.token_ids):
+                sampling.append(i)
+                drafts_of.append(drafts)
+                last = offset + n - 1
+                logit_rows.extend(range(last - len(drafts), last + 1))
+            offset += n
+
+        meta = build_attention_metadata(
+            torch.tensor(q_lens), torch.tensor(num_computed), block_table, self.block_size
+        )
+        hidden, _ = self.model(torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta)
+
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
+        if sampling:
+            self._sample(req_ids, sampling, drafts_of, hidden[torch.tensor(logit_rows)], out)
+        if prompt_lp_reqs:
+            self._prompt_logprobs(req_ids, q_lens, prompt_lp_reqs, hidden, out)
+        return out
+
+    def _sample(
+        self,
+        req_ids: list[str],
+        sampling: list[int],
+        drafts_of: list[list[int]],
+        hidden: torch.Tensor,  # [num logit rows, H]
+        out: ModelRunnerOutput,
+    ) -> None:
+        states = [self.requests[req_ids[i]] for i in sampling]
+        meta = SamplingMetadata.from_params(
+            [s.sampling_params for s in states],
+            [s.generator for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            self.eos_token_ids,
+            hidden.device,
+        )
+        logits = self.model.compute_logits(hidden)  # [rows, V] float32
+        result = rejection_sample(drafts_of, None, logits, meta, self.sampler)
+        want_logprobs = meta.max_num_logprobs is not None
+        if want_logprobs:
+            out.logprobs = [[] for _ in req_ids]
+        for j, (i, st) in enumerate(zip(sampling, states)):
+            tokens = result.output_token_ids[j]
+            st.token_ids.extend(tokens)
+            out.sampled_token_ids[i] = tokens
+            if want_logprobs and st.sampling_params.logprobs is not None and out.logprobs is not None:
+                lp = result.logprobs_for(j)
+                assert lp is not None
+                out.logprobs[i] = _to_token_logprobs(lp, st.sampling_params.logprobs)
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        q_lens: list[int],
+        reqs: list[tuple[int, int, int]],
+        hidden: torch.Tensor,  # [T, H]
+        out: ModelRunnerOutput,
+    ) -> None:
+        starts = [0]
+        for q in q_lens[:-1]:
+            starts.append(starts[-1] + q)
+        for i, first_pos, count in reqs:
+            st = self.requests[req_ids[i]]
+            num_top = st.sampling_params.prompt_logprobs or 0
+            rows = hidden[starts[i] : starts[i] + count]
+            targets = torch.tensor(st.prompt_token_ids[first_pos + 1 : first_pos + 1 + count], dtype=torch.int64)
+            lp = compute_token_logprobs(self.model.compute_logits(rows), targets, num_top)
+            entries: list[TokenLogprobs | None] = [None] if first_pos == 0 else []
+            entries.extend(_to_token_logprobs(lp, num_top))
+            out.prompt_logprobs[req_ids[i]] = entries
+
+
+def _to_token_logprobs(lp: LogprobsTensors, num_top: int) -> list[TokenLogprobs]:
+    ids = lp.token_ids[:, : num_top + 1].tolist()
+    vals = lp.logprobs[:, : num_top + 1].tolist()
+    ranks = lp.ranks.tolist()
+    return [TokenLogprobs(a, b, r) for a, b, r in zip(ids, vals, ranks)]
+

@@ -39,11 +39,11 @@ SPECS = {
     "phalanx-math-moe": ("mixtral", dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          num_local_experts=4, num_experts_per_tok=2),
-                         dict(steps=1200, batch=32, lr=2e-3)),
+                         dict(steps=700, batch=32, lr=2e-3)),
     "phalanx-math-moe-draft": ("mixtral", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                                                num_attention_heads=2, num_key_value_heads=1,
                                                num_local_experts=4, num_experts_per_tok=2),
-                               dict(steps=1200, batch=32, lr=3e-3)),
+                               dict(steps=600, batch=32, lr=3e-3)),
 }
 
 

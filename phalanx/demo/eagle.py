@@ -1,0 +1,509 @@
+"""EAGLE-1 and EAGLE-3 draft heads for phalanx-math (plain PyTorch, vLLM on-disk format).
+
+Both heads are one Llama decoder layer that runs beside the target and reuses
+its token embeddings (and, for EAGLE-1, its lm_head).  Positions and RoPE are
+the target's (Llama default RoPE, ``rotate_half`` convention).
+
+EAGLE-1 (``architectures: ["EagleLlamaForCausalLM"]``), input at position t is
+(e = embed(x_{t+1}), f = target final hidden state at t, after the final norm)::
+
+    x   = fc(cat(e, f))                      # fc.weight [H, 2H], no bias
+    r   = x + attn(x)                        # layers.0.self_attn.*, no input_layernorm
+    out = r + mlp(post_attention_layernorm(r))
+    logits = target_lm_head(out)             # predicts x_{t+2}; no final norm
+    # drafting step 2..k feeds `out` back as f
+
+EAGLE-3 (``architectures: ["Eagle3LlamaForCausalLM"]``), target features are the
+residual stream at three layers (vLLM ids: id j = output of layer j-1 =
+HF ``hidden_states[j]``)::
+
+    g   = fc(cat(a_low, a_mid, a_high))      # fc.weight [H, 3H], no bias (step 1 only)
+    x   = cat(input_layernorm(e), hidden_norm(g))          # [2H]
+    r   = g + attn(x)                        # q/k/v_proj in-features 2H
+    pre = r + mlp(post_attention_layernorm(r))
+    logits_draft = lm_head(norm(pre))        # [draft_vocab]; target id = i + d2t[i]
+    # drafting step 2..k feeds `pre` back as g (fc is not applied again)
+
+Training: target-generated text (greedy answers of the target to train
+questions), target features computed once, "training-time test" unrolling of
+``--passes`` drafting steps with the matching attention mask (step j at
+position t sees true-feature keys at positions <= t-j and its own earlier
+steps' keys), EAGLE-1 with feature regression (smooth L1) + token CE, EAGLE-3
+with token CE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from phalanx.demo import MODELS_DIR
+
+TARGET = "phalanx-math"
+
+
+# --------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    fr = pos.float()[..., None] * inv                     # [..., T, hd/2]
+    emb = torch.cat([fr, fr], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, in_features: int, hidden: int, n_heads: int, n_kv: int, head_dim: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd = n_heads, n_kv, head_dim
+        self.q_proj = nn.Linear(in_features, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+
+    def qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def attend(self, q, ks, vs, mask):
+        k = torch.cat(ks, dim=2)
+        v = torch.cat(vs, dim=2)
+        rep = self.nh // self.nkv
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, eagle3: bool):
+        super().__init__()
+        H = cfg["hidden_size"]
+        hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
+        self.eagle3 = eagle3
+        self.self_attn = Attention(2 * H if eagle3 else H, H, cfg["num_attention_heads"],
+                                   cfg["num_key_value_heads"], hd)
+        self.mlp = MLP(H, cfg["intermediate_size"])
+        self.post_attention_layernorm = RMSNorm(H, cfg["rms_norm_eps"])
+        if eagle3:
+            self.input_layernorm = RMSNorm(H, cfg["rms_norm_eps"])
+            self.hidden_norm = RMSNorm(H, cfg["rms_norm_eps"])
+
+
+class EagleHead(nn.Module):
+    """One EAGLE-1 (eagle3=False) or EAGLE-3 (eagle3=True) head.
+
+    Parameter names equal the on-disk names (EAGLE-3 ``layers.0`` is saved as
+    ``midlayer``).  ``embed`` / ``target_lm_head`` are the target's, frozen,
+    and not saved.
+    """
+
+    def __init__(self, cfg: dict, eagle3: bool, embed: torch.Tensor, target_lm_head: torch.Tensor):
+        super().__init__()
+        self.cfg, self.eagle3 = cfg, eagle3
+        H = cfg["hidden_size"]
+        self.fc = nn.Linear((3 if eagle3 else 2) * H, H, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, eagle3)])
+        self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
+        if eagle3:
+            dv = cfg["draft_vocab_size"]
+            self.norm = RMSNorm(H, cfg["rms_norm_eps"])
+            self.lm_head = nn.Linear(H, dv, bias=False)
+            self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg["vocab_size"], dtype=torch.bool))
+        else:
+            self.register_buffer("target_lm_head", target_lm_head.detach().float().clone(), persistent=False)
+
+    # ---- pieces of the forward
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: concat of the three target layers [.., 3H] -> [.., H]. EAGLE-1: identity."""
+        return self.fc(aux) if self.eagle3 else aux
+
+    def layer_in(self, tok: torch.Tensor, feat: torch.Tensor):
+        """Attention input and residual for token ids ``tok`` and (fused) features ``feat``."""
+        e = F.embedding(tok, self.embed)
+        lyr = self.layers[0]
+        if self.eagle3:
+            x = torch.cat([lyr.input_layernorm(e), lyr.hidden_norm(feat)], dim=-1)
+            return x, feat
+        x = self.fc(torch.cat([e, feat], dim=-1))
+        return x, x
+
+    def layer_out(self, attn_out, residual):
+        lyr = self.layers[0]
+        r = residual + attn_out
+        pre = r + lyr.mlp(lyr.post_attention_layernorm(r))
+        return pre
+
+    def logits(self, pre: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's own vocabulary (target vocab for EAGLE-1, draft vocab for EAGLE-3)."""
+        if self.eagle3:
+            return self.lm_head(self.norm(pre))
+        return pre @ self.target_lm_head.t()
+
+    def target_logits(self, pre: torch.Tensor) -> torch.Tensor:
+        lg = self.logits(pre)
+        if not self.eagle3:
+            return lg
+        full = lg.new_full(lg.shape[:-1] + (self.cfg["vocab_size"],), float("-inf"))
+        ids = torch.arange(lg.shape[-1]) + self.d2t
+        full[..., ids] = lg
+        return full
+
+    def unrolled(self, tok: torch.Tensor, feat0: torch.Tensor, pos: torch.Tensor, passes: int):
+        """Training-time-test forward. tok/feat0: [B,T], [B,T,H] (pass-0 inputs at each position).
+
+        Returns the list of per-pass outputs ``pre`` [B,T,H]; pass j at position t
+        uses as feature the pass j-1 output at t-1 and sees true-feature keys at
+        positions <= t-j plus its own chain's keys of passes 1..j.
+        """
+        B, T = tok.shape
+        hd = self.layers[0].self_attn.hd
+        cos, sin = rope_cos_sin(pos, hd, self.cfg["rope_theta"])
+        cos, sin = cos[:, None], sin[:, None]
+        attn = self.layers[0].self_attn
+        t = torch.arange(T)
+        ks, vs, outs = [], [], []
+        feat = feat0
+        for j in range(passes):
+            x, res = self.layer_in(tok, feat)
+            q, k, v = attn.qkv(x, cos, sin)
+            ks.append(k)
+            vs.append(v)
+            masks = [t[None, :] <= (t[:, None] - j)]          # pass-0 keys
+            for i in range(1, j + 1):
+                masks.append(t[None, :] == (t[:, None] - j + i))
+            mask = torch.cat(masks, dim=1)                     # [T, T*(j+1)]
+            pre = self.layer_out(attn.attend(q, ks, vs, mask), res)
+            outs.append(pre)
+            # next pass: own output of the previous position replaces the feature
+            nxt = torch.cat([feat0[:, :1], pre[:, :-1]], dim=1)
+            feat = nxt
+        return outs
+
+    @torch.no_grad()
+    def draft_chain(self, tok: torch.Tensor, feat0: torch.Tensor, k: int) -> list[int]:
+        """Greedy chain drafting for one sequence (no batch dim).
+
+        tok[t] = x_{t+1}, feat0[t] = (fused) target feature at t for t = 0..L-2
+        (L = context length); returns k drafted target-token ids.
+        """
+        toks, feats = list(tok.tolist()), [feat0]
+        drafted = []
+        for _ in range(k):
+            T = len(toks)
+            f = torch.cat(feats, dim=0)[None]
+            x, res = self.layer_in(torch.tensor(toks)[None], f)
+            hd = self.layers[0].self_attn.hd
+            cos, sin = rope_cos_sin(torch.arange(T)[None], hd, self.cfg["rope_theta"])
+            attn = self.layers[0].self_attn
+            q, kk, v = attn.qkv(x, cos[:, None], sin[:, None])
+            mask = torch.ones(T, T, dtype=torch.bool).tril()
+            pre = self.layer_out(attn.attend(q, [kk], [v], mask), res)[0, -1]
+            nxt = int(self.target_logits(pre).argmax())
+            drafted.append(nxt)
+            toks.append(nxt)
+            feats.append(pre[None])
+        return drafted
+
+
+# --------------------------------------------------------------------------- save / load
+def head_config(target_cfg, eagle3: bool, draft_vocab: int | None, aux_ids: list[int] | None) -> dict:
+    H = target_cfg.hidden_size
+    cfg = {
+        "architectures": ["Eagle3LlamaForCausalLM" if eagle3 else "EagleLlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": target_cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": target_cfg.num_attention_heads,
+        "num_key_value_heads": target_cfg.num_key_value_heads,
+        "head_dim": H // target_cfg.num_attention_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": target_cfg.rms_norm_eps,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": target_cfg.max_position_embeddings,
+        "vocab_size": target_cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eos_token_id": target_cfg.eos_token_id,
+        "pad_token_id": target_cfg.pad_token_id,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+        "torch_dtype": "bfloat16",
+    }
+    if eagle3:
+        cfg.update({
+            "draft_vocab_size": draft_vocab,
+            "target_hidden_size": H,
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux_ids},
+        })
+    return cfg
+
+
+def state_dict_on_disk(head: EagleHead) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in head.state_dict().items():
+        if name in ("embed", "target_lm_head"):
+            continue
+        disk = name
+        if head.eagle3 and name.startswith("layers.0."):
+            disk = "midlayer." + name[len("layers.0."):]
+        if name in ("d2t", "t2d"):
+            out[disk] = t.clone()
+        else:
+            out[disk] = t.detach().to(torch.bfloat16).contiguous()
+    return out
+
+
+def save_head(head: EagleHead, cfg: dict, out: Path, tok_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_file(state_dict_on_disk(head), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(tok_dir) / f).exists():
+            shutil.copy(Path(tok_dir) / f, out / f)
+
+
+def load_head(path, target) -> EagleHead:
+    """Load a saved head (fp32) next to an HF target model."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    eagle3 = cfg["architectures"][0].startswith("Eagle3")
+    emb = target.get_input_embeddings().weight
+    head = EagleHead(cfg, eagle3, emb, target.get_output_embeddings().weight)
+    sd = load_file(str(path / "model.safetensors"))
+    fixed = {}
+    for k, v in sd.items():
+        if k.startswith("midlayer."):
+            k = "layers.0." + k[len("midlayer."):]
+        fixed[k] = v if v.dtype in (torch.long, torch.bool) else v.float()
+    missing, unexpected = head.load_state_dict(fixed, strict=False)
+    assert not unexpected and set(missing) <= {"embed", "target_lm_head"}, (missing, unexpected)
+    head.eval()
+    return head
+
+
+# --------------------------------------------------------------------------- features
+@torch.no_grad()
+def target_features(target, ids: torch.Tensor, att: torch.Tensor, aux_ids: list[int]):
+    """(final hidden after norm [B,T,H], concat of aux layers [B,T,3H])."""
+    out = target.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    hs = out.hidden_states
+    aux = torch.cat([hs[i] for i in aux_ids], dim=-1)
+    return out.last_hidden_state, aux
+
+
+def default_aux_ids(n_layers: int) -> list[int]:
+    """Low / middle / near-top residual-stream ids (vLLM convention, distinct, < n_layers)."""
+    ids = [1, n_layers // 2, n_layers - 1]
+    assert len(set(ids)) == 3
+    return ids
+
+
+# --------------------------------------------------------------------------- training
+def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int = 6000, batch: int = 32,
+          passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512) -> dict:
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.demo.common import IMG_DIR, TOK_DIR, WORK_DIR, Timer, collate, load_tokenizer, plot_curves, setup, smooth
+    from phalanx.demo.tokenizer import prompt_text
+    from phalanx.demo.train import distill_rows
+
+    eagle3 = kind == "eagle3"
+    name = "phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle"
+    steps = steps or 900
+    rows = distill_rows(seed, n_seqs)
+    setup(seed)
+    tok = load_tokenizer()
+    target = AutoModelForCausalLM.from_pretrained(MODELS_DIR / TARGET, dtype=torch.float32).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    aux_ids = default_aux_ids(tcfg.num_hidden_layers)
+
+    # sequences: prompt + target answer + <|end|>; answer_start for the loss mask
+    seqs, starts = [], []
+    for r in rows:
+        p = tok(prompt_text(r["question"]), add_special_tokens=False)["input_ids"]
+        a = tok(r["answer"] + tok.eos_token, add_special_tokens=False)["input_ids"]
+        seqs.append(p + a)
+        starts.append(len(p))
+
+    # draft vocabulary for EAGLE-3: the most frequent target tokens in the answers
+    d2t = t2d = None
+    if eagle3:
+        cnt = torch.zeros(tcfg.vocab_size, dtype=torch.long)
+        for s, st in zip(seqs, starts):
+            cnt += torch.bincount(torch.tensor(s[st:]), minlength=tcfg.vocab_size)
+        order = torch.argsort(cnt, descending=True, stable=True)[:draft_vocab]
+        keep = torch.sort(order).values                            # draft id i -> target id keep[i]
+        d2t = keep - torch.arange(draft_vocab)
+        t2d = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        t2d[keep] = True
+        tgt2draft = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
+        tgt2draft[keep] = torch.arange(draft_vocab)
+        cover = cnt[keep].sum().item() / cnt.sum().item()
+        print(f"draft vocab {draft_vocab}/{tcfg.vocab_size}: covers {cover * 100:.2f}% of answer tokens", flush=True)
+
+    cfg = head_config(tcfg, eagle3, draft_vocab if eagle3 else None, aux_ids if eagle3 else None)
+    head = EagleHead(cfg, eagle3, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    if eagle3:
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[keep])
+            head.norm.weight.copy_(target.model.norm.weight)
+    nparams = sum(p.numel() for p in head.parameters())
+    print(f"{name}: {nparams / 1e6:.3f}M parameters, {len(seqs)} target-generated sequences, "
+          f"{steps} steps x batch {batch}, {passes} unrolled passes", flush=True)
+
+    # target features once, kept in memory (bf16)
+    feats = []
+    with Timer("target features"):
+        for s in tqdm(range(0, len(seqs), 64), desc="features", mininterval=5):
+            chunk = seqs[s:s + 64]
+            ids, att, _ = collate(chunk, None, tok.pad_token_id)
+            last, aux = target_features(target, ids, att, aux_ids)
+            for i, sq in enumerate(chunk):
+                f = aux[i, :len(sq)] if eagle3 else last[i, :len(sq)]
+                feats.append((f.to(torch.bfloat16), last[i, :len(sq)].to(torch.bfloat16)))
+
+    val_n = 256
+    tr_idx = list(range(val_n, len(seqs)))
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
+    from phalanx.demo.common import lr_at
+
+    def batch_tensors(idx):
+        L = max(len(seqs[i]) for i in idx) - 1
+        B = len(idx)
+        Hf = feats[idx[0]][0].shape[-1]
+        tok_in = torch.zeros(B, L, dtype=torch.long)
+        f0 = torch.zeros(B, L, Hf)
+        f_next = torch.zeros(B, L, tcfg.hidden_size)
+        lab = torch.full((B, L), -100, dtype=torch.long)
+        for b, i in enumerate(idx):
+            s = torch.tensor(seqs[i])
+            n = len(s) - 1
+            tok_in[b, :n] = s[1:]                              # e(x_{t+1})
+            f0[b, :n] = feats[i][0][:n].float()                # f_t
+            f_next[b, :n - 1] = feats[i][1][1:n].float()       # f_{t+1} (regression target, final hidden)
+            y = s[2:].clone()                                  # x_{t+2}
+            y[: max(0, starts[i] - 2)] = -100                  # loss only where x_{t+2} is in the answer
+            lab[b, :n - 1] = y
+        if eagle3:
+            lab = torch.where(lab >= 0, tgt2draft[lab.clamp(min=0)], lab)
+        pos = torch.arange(L)[None].expand(B, L)
+        return tok_in, f0, f_next, lab, pos
+
+    pass_w = [0.8 ** j for j in range(passes)]
+
+    def loss_fn(idx, train_mode=True):
+        tok_in, f0, f_next, lab, pos = batch_tensors(idx)
+        feat0 = head.fuse(f0)
+        outs = head.unrolled(tok_in, feat0, pos, passes)
+        total, parts = 0.0, []
+        for j, pre in enumerate(outs):
+            lg = head.logits(pre)
+            lab_j = lab.clone()
+            lab_j[:, :j] = -100                                # pass j needs a real chain start
+            ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab_j.reshape(-1), ignore_index=-100)
+            loss = ce
+            if not eagle3:
+                m = (lab_j >= 0).unsqueeze(-1).float()
+                reg = (F.smooth_l1_loss(pre, f_next, reduction="none") * m).sum() / (m.sum() * pre.shape[-1])
+                loss = reg + 0.5 * ce
+            total = total + pass_w[j] * loss
+            parts.append(ce.item())
+        return total / sum(pass_w), parts
+
+    train_pts, val_pts = [], []
+    batches: list[list[int]] = []
+    t0 = time.time()
+    bar = tqdm(range(steps), desc=name, mininterval=5)
+    for step in bar:
+        if not batches:
+            order = tr_idx[:]
+            rng.shuffle(order)
+            batches = [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+        idx = batches.pop()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10))
+        loss, parts = loss_fn(idx)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_pts.append((step, loss.item()))
+        bar.set_postfix(loss=f"{loss.item():.3f}", ce=",".join(f"{c:.2f}" for c in parts))
+        if (step + 1) % 150 == 0 or step + 1 == steps:
+            with torch.no_grad():
+                vl, vparts = loss_fn(list(range(0, 128)))
+            val_pts.append((step, vl.item()))
+            print(f"\nstep {step + 1}: train {loss.item():.4f} val {vl.item():.4f} val-ce/pass "
+                  f"{[round(c, 3) for c in vparts]} ({time.time() - t0:.0f}s)", flush=True)
+    train_time = time.time() - t0
+    head.eval()
+    save_head(head, cfg, MODELS_DIR / name, TOK_DIR)
+    plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
+                f"{name} ({nparams / 1e6:.2f}M params)")
+    res = {"name": name, "params": nparams, "steps": steps, "batch": batch, "passes": passes,
+           "train_time_s": round(train_time), "final_val_loss": val_pts[-1][1], "seed": seed,
+           "aux_ids": aux_ids if eagle3 else None}
+    print(json.dumps(res), flush=True)
+    (WORK_DIR / "results").mkdir(parents=True, exist_ok=True)
+    (WORK_DIR / "results" / f"{name}.json").write_text(json.dumps(res, indent=1))
+    return res

@@ -130,13 +130,6 @@ class ModelConfig:
     ) -> ModelConfig:
         text = hf.get("text_config") or {}
         hf = {**text, **hf} if text else hf
-        if hf.get("use_sliding_window") or (
-            hf.get("sliding_window") is not None and hf.get("use_sliding_window", arch == "MistralForCausalLM")
-        ):
-            raise ValueError(
-                f"sliding-window attention (sliding_window={hf.get('sliding_window')!r}) is not supported; "
-                "phalanx supports full attention only (set sliding_window to null)"
-            )
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hidden // heads
@@ -158,6 +151,15 @@ class ModelConfig:
         if max_model_len > max_pos and not rope_scaling:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        window = hf.get("sliding_window")
+        window_on = hf.get("use_sliding_window", arch == "MistralForCausalLM") and bool(window)
+        if window_on and window < max_model_len:
+            # A window at least as long as the context is plain full attention, so that is allowed.
+            raise ValueError(
+                f"sliding-window attention (sliding_window={window!r}) is not supported; phalanx supports "
+                f"full attention only: set max_model_len <= {window} (currently {max_model_len}) or "
+                "disable the window in config.json"
             )
         config_dtype = hf.get("dtype") or hf.get("torch_dtype")
         num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
@@ -193,7 +195,7 @@ class ModelConfig:
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", arch == "MixtralForCausalLM")),
+            norm_topk_prob=arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob")),
             moe_layer_ids=moe_layers,
             hf_config=hf,
         )

@@ -56,6 +56,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     max_tokens: int = 16  # resolved against max_model_len by the engine
+    # Samples of one n > 1 request share a group: siblings wait for the first one's prompt so
+    # they reuse its KV blocks through the prefix cache.
+    group_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

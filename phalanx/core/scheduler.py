@@ -142,8 +142,12 @@ class Scheduler:
             i += 1
 
         # 2. Admit waiting requests in arrival order (not in a step that had to preempt).
+        held_back: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._sibling_prefilling(req):
+                held_back.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -172,6 +176,7 @@ class Scheduler:
                 )
             num_scheduled[req.req_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
 
         finished = self._finished_for_runner
         self._finished_for_runner = set()
@@ -182,6 +187,14 @@ class Scheduler:
             scheduled_spec_tokens=spec,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
+        )
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""
+        if req.group_id is None or not self.kv.enable_caching:
+            return False
+        return any(
+            r.group_id == req.group_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running
         )
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -25,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    group_id: str | None = None  # the parent request of an n > 1 sample
 
 
 class EngineCore:
@@ -55,6 +56,7 @@ class EngineCore:
             eos_token_ids=self.cfg.model.eos_token_ids,
             arrival_time=request.arrival_time or time.monotonic(),
             max_tokens=max_tokens,
+            group_id=request.group_id,
         )
         self.scheduler.add_request(req)
         self.num_prompt_tokens += len(req.prompt_token_ids)

@@ -140,8 +140,9 @@ class LLM:
         for (text, ids), params in zip(encoded, params_list):
             request_id = str(next(self._counter))
             request_ids.append(request_id)
+            group = request_id if params.n > 1 else None
             for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
-                self.engine.add_request(EngineCoreRequest(child_id, ids, child_params, time.monotonic()))
+                self.engine.add_request(EngineCoreRequest(child_id, ids, child_params, time.monotonic(), group))
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()

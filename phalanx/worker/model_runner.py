@@ -78,6 +78,7 @@ class ModelRunner:
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, RunnerRequestState] = {}
+        self.num_tokens_run = 0  # tokens through the target forward, for tests and stats
 
     # ---- state diffs -----------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -145,6 +146,7 @@ class ModelRunner:
                 logit_rows.extend(range(last - len(drafts), last + 1))
             offset += n
 
+        self.num_tokens_run += len(input_ids)
         meta = build_attention_metadata(
             torch.tensor(q_lens), torch.tensor(num_computed), block_table, self.block_size
         )

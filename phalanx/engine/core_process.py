@@ -1,0 +1,251 @@
+"""The engine-core process: one `EngineCore` (one data-parallel rank) behind two ZMQ sockets.
+
+Owns: the wire protocol between the API server and engine cores (the msgspec message structs
+below), the process entry point `run_engine_core`, and the busy/idle loop that feeds requests
+into the engine and streams its outputs back.
+Does not own: scheduling or execution (``engine_core``), routing between ranks, process start-up
+and death detection (``core_client``), anything text-level (engine cores see token ids only).
+
+Wire protocol (msgpack via msgspec, never pickle). Per rank the client binds a PUSH socket that the
+rank connects a PULL to (its *input*); all ranks PUSH into one PULL socket the client binds (the
+*output*). Messages are tagged unions:
+
+    client -> rank:  AddRequest(request) | AbortRequests(req_ids) | Shutdown()
+    rank -> client:  EngineReady(rank, ...)          once, after the model is loaded
+                     EngineOutputs(rank, outputs, stats)   after each step that produced output, and
+                                                           whenever scheduler stats changed (throttled)
+                     RequestFailed(rank, req_id, message)  AddRequest rejected by the engine
+                     EngineFailed(rank, message)           start-up or step error; the process exits(1)
+
+The loop, once per iteration: poll the input socket (a short timeout when idle so shutdown, parent
+death and new work are noticed quickly; no wait at all while requests are in flight), drain every
+pending message, take one engine step if there is work, send outputs. A future data-parallel
+lockstep loop replaces `step` with "vote, then step or run a dummy batch"; the socket side stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from phalanx.core.outputs import EngineCoreOutput, SchedulerStats
+from phalanx.engine.engine_core import EngineCoreRequest
+
+logger = logging.getLogger("phalanx.engine")
+
+# ---- messages: client -> engine ------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    req_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+ClientMessage = AddRequest | AbortRequests | Shutdown
+
+# ---- messages: engine -> client ------------------------------------------------------------------
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    rank: int
+    pid: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    rank: int
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+
+
+class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
+    rank: int
+    req_id: str
+    message: str
+
+
+class EngineFailed(msgspec.Struct, tag="dead", array_like=True):
+    rank: int
+    message: str
+
+
+EngineMessage = EngineReady | EngineOutputs | RequestFailed | EngineFailed
+
+
+class EngineProcessConfig(msgspec.Struct):
+    """What a rank needs at start-up; passed msgspec-encoded as the process argument."""
+
+    engine_args: dict[str, Any]  # EngineArgs fields
+    rank: int
+    data_parallel_size: int
+    input_address: str
+    output_address: str
+    extra_eos_token_ids: list[int] = []
+    log_level: str = "info"
+    idle_poll_ms: int = 50
+    stats_interval_s: float = 0.1
+    num_threads: int | None = None
+
+
+# ---- the process ---------------------------------------------------------------------------------
+
+
+def run_engine_core(config_bytes: bytes) -> None:
+    """Process entry point (multiprocessing spawn target). Exits non-zero on any error."""
+    cfg = msgspec.msgpack.decode(config_bytes, type=EngineProcessConfig)
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format=f"%(levelname)s %(asctime)s [engine rank {cfg.rank}] %(message)s"
+    )
+    # Ctrl-C goes to the whole process group: the API server decides when we stop (Shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(cfg.output_address)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(cfg.input_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        engine = _build_engine(cfg)
+    except Exception as e:  # noqa: BLE001 - start-up errors (bad path, bad config, OOM) are reported, not raised
+        out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
+        code = 1
+    else:
+        out_sock.send(
+            encoder.encode(
+                EngineReady(
+                    cfg.rank,
+                    os.getpid(),
+                    engine.runner.num_blocks,
+                    engine.max_model_len,
+                    engine.cfg.model.vocab_size,
+                )
+            )
+        )
+        try:
+            EngineCoreLoop(engine, cfg, in_sock, out_sock).run()
+        except Exception as e:  # noqa: BLE001 - any step error kills this rank; the client must hear why
+            logger.error("engine core failed:\n%s", traceback.format_exc())
+            out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
+            code = 1
+    in_sock.close()
+    out_sock.close()
+    ctx.term()
+    sys.exit(code)
+
+
+def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: torch)
+    import torch
+
+    from phalanx.config import ParallelConfig
+    from phalanx.engine.args import EngineArgs
+    from phalanx.engine.engine_core import EngineCore
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    args = EngineArgs(**cfg.engine_args)
+    config = args.create_engine_config()
+    config = dataclasses.replace(
+        config,
+        parallel=ParallelConfig(data_parallel_size=cfg.data_parallel_size, data_parallel_rank=cfg.rank),
+    )
+    engine = EngineCore(config)
+    # Same as the offline LLM: the tokenizer's EOS also counts as EOS (the API server sends its ids).
+    engine.runner.eos_token_ids |= set(cfg.extra_eos_token_ids)
+    return engine
+
+
+class EngineCoreLoop:
+    """Busy/idle loop of one rank. `run` returns on Shutdown or when the parent process is gone."""
+
+    def __init__(
+        self, engine: Any, cfg: EngineProcessConfig, in_sock: zmq.Socket, out_sock: zmq.Socket
+    ) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.parent_pid = os.getppid()
+        self.stats_dirty = True
+        self.last_stats_time = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            if self.poller.poll(0 if busy else self.cfg.idle_poll_ms):
+                if not self._drain_input():
+                    return
+            elif not busy and os.getppid() != self.parent_pid:
+                logger.warning("the API server process is gone; engine rank %d exits", self.rank)
+                return
+            outputs: list[EngineCoreOutput] = []
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                self.stats_dirty = True
+            self._send(outputs)
+
+    def _drain_input(self) -> bool:
+        """Handle every pending message; False on Shutdown."""
+        aborted: list[EngineCoreOutput] = []
+        while True:
+            try:
+                raw = self.in_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self.decoder.decode(raw)
+            self.stats_dirty = True
+            if isinstance(msg, AddRequest):
+                try:
+                    self.engine.add_request(msg.request)
+                except ValueError as e:
+                    self.out_sock.send(
+                        self.encoder.encode(RequestFailed(self.rank, msg.request.req_id, str(e)))
+                    )
+            elif isinstance(msg, AbortRequests):
+                aborted.extend(self.engine.abort_requests(msg.req_ids))
+            else:
+                return False
+        if aborted:
+            self._send(aborted)
+        return True
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        """Send outputs, with scheduler stats when they changed (at most every stats_interval_s while
+        busy; always once the engine goes idle, so the client sees the final zero-usage state)."""
+        stats = None
+        now = time.monotonic()
+        if self.stats_dirty and (
+            now - self.last_stats_time >= self.cfg.stats_interval_s
+            or not self.engine.has_unfinished_requests()
+        ):
+            stats = self.engine.stats()
+            self.stats_dirty = False
+            self.last_stats_time = now
+        if outputs or stats is not None:
+            self.out_sock.send(self.encoder.encode(EngineOutputs(self.rank, outputs, stats)))

@@ -1,0 +1,219 @@
+"""The `phalanx` command: `phalanx serve [MODEL] [flags]` (and a `bench` slot).
+
+Owns: flag names and help (vLLM's names, so commands carry over), turning flags into a
+`ServeConfig`, the built-in demo default (no MODEL: serve `phalanx-math` with its EAGLE drafter),
+and exit codes for configuration errors (2).
+Does not own: what serving does (``entrypoints.serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEMO_MODEL = "phalanx-math"
+DEMO_SPECULATIVE_CONFIG = {"method": "eagle", "model": "phalanx-math-eagle", "num_speculative_tokens": 3}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible API server",
+        description=(
+            "Serve a model behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+            "/v1/models, /health, /metrics, /version, /tokenize, /detokenize). The engine runs in its own "
+            f"process(es). Without MODEL, serves the built-in demo {DEMO_MODEL!r} with speculative config "
+            f"{json.dumps(DEMO_SPECULATIVE_CONFIG)}."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"local Hugging Face checkpoint folder or built-in model name (default: the {DEMO_MODEL} demo)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use in requests and /v1/models (default: MODEL)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: env PHALANX_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight and activation dtype; auto = the checkpoint's",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (prompt + output); default: the model's max_position_embeddings",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=128, help="most requests running at once per engine rank"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per engine step (default: max(2048, max-num-seqs))",
+    )
+    p.add_argument("--kv-cache-space", type=float, default=1.0, help="KV-cache size per engine rank, in GiB")
+    p.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="exact number of KV-cache blocks per rank (overrides --kv-cache-space; for testing)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--seed", type=int, default=0, help="engine random seed")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV-cache blocks of shared prompt prefixes",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "eagle", "model": PATH, '
+        '"num_speculative_tokens": 3}\'',
+    )
+    p.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=1, help="number of engine ranks (processes)"
+    )
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between throughput / KV-cache / acceptance log lines while busy (0 = off)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx",
+        description="phalanx: an LLM serving engine with exact speculative decoding, served data-parallel.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(sub)
+    sub.add_parser(
+        "bench",
+        help="serving / offline benchmarks (not implemented yet)",
+        description="Benchmarks (not implemented yet).",
+    )
+    return parser
+
+
+def _demo_folder_missing(model: str) -> str | None:
+    from phalanx.engine.args import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path != model and not Path(path).is_dir():
+        return (
+            f"the built-in model {model!r} is not in this install ({path} does not exist). Train the demo models "
+            "first (see phalanx/demo/), or pass a checkpoint folder: phalanx serve /path/to/model"
+        )
+    return None
+
+
+def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (imported lazily)
+    from phalanx.entrypoints.serve import ServeConfig, engine_args_from
+
+    model = args.model
+    speculative = args.speculative_config
+    if model is None:
+        model = DEMO_MODEL
+        if speculative is None:
+            speculative = dict(DEMO_SPECULATIVE_CONFIG)
+    engine_kwargs: dict[str, object] = {
+        "model": model,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_space": args.kv_cache_space,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_gpu_blocks_override,
+        "data_parallel_size": args.data_parallel_size,
+    }
+    if speculative is not None:
+        engine_kwargs["speculative_config"] = speculative
+    return ServeConfig(
+        engine_args=engine_args_from(**engine_kwargs),
+        served_model_name=args.served_model_name or model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("PHALANX_API_KEY") or None,
+        log_level=args.log_level,
+        log_stats_interval=args.log_stats_interval,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s"
+    )
+    log = logging.getLogger("phalanx.cli")
+    missing = _demo_folder_missing(args.model or DEMO_MODEL)
+    if missing:
+        log.error("%s", missing)
+        return 1
+    from phalanx.entrypoints.serve import ConfigError, run
+
+    try:
+        cfg = serve_config_from_args(args)
+        return run(cfg)
+    except ConfigError as e:
+        message = str(e)
+        if "speculative_config" in message:
+            message = (
+                "--speculative-config is not supported by this engine build yet "
+                "(speculative decoding is not wired into EngineArgs)"
+            )
+        log.error("configuration error: %s", message)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "bench":
+        print("phalanx bench: not implemented yet", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""OpenAI-compatible request bodies (pydantic) and their conversion into `SamplingParams`.
+
+Owns: which request fields phalanx accepts (every model forbids unknown fields, so `tools`,
+`response_format`, `logit_bias`, ... are rejected with a 400 naming the field instead of being
+silently ignored), their defaults (chat: `max_tokens` up to the context length; completions: 16,
+as in OpenAI and vLLM), and `sampling_params(...)`.
+Does not own: response formats (``serving``), HTTP routing and errors (``server``).
+
+Extension fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `add_generation_prompt`,
+`continue_final_message`, `chat_template_kwargs`; and phalanx's own `return_spec_stats`: each choice
+then carries `spec_stats` = {num_draft_tokens, num_accepted_tokens, num_verify_steps,
+mean_acceptance_length} for its sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from phalanx.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        if isinstance(self.content, list):
+            content = "".join(p.text for p in self.content)
+        else:
+            content = self.content or ""
+        msg: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_spec_stats: bool = False
+
+    def _common_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) with SamplingParams' own message for invalid values."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        kw: dict[str, Any] = {
+            "n": self.n,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return SamplingParams(**kw)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._common_params(max_tokens, logprobs, None)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._common_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty; give a string, a list of strings or token ids")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

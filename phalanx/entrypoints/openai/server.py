@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP server (FastAPI app) and its lifecycle next to the engine processes.
+
+Owns: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`,
+`/version`, `/tokenize`, `/detokenize`), the API-key check, mapping every error to an OpenAI-style
+body (`{"error": {"message", "type", "param", "code"}}`: 400 invalid values / malformed JSON /
+unsupported fields / prompts over the context length, 401 bad key, 404 unknown model or route,
+503 engine gone).
+Does not own: the request/response formats (``protocol``, ``serving``), the engine front end
+(``entrypoints.async_llm``), process start-up and shutdown (``entrypoints.serve``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import phalanx
+from phalanx.engine.core_client import EngineDeadError
+from phalanx.engine.metrics import ServingMetrics
+from phalanx.entrypoints.async_llm import AsyncLLM
+from phalanx.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from phalanx.entrypoints.openai.serving import APIError, OpenAIServing, engine_error
+
+logger = logging.getLogger("phalanx.server")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    tokenizer: Any | None
+    metrics: ServingMetrics
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+    created: int = 0
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _field_path(loc: tuple | list) -> str:
+    """pydantic's error location without "body" and union-branch names: messages.0.content.0.type."""
+    parts = [
+        str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x in _TYPE_NAMES))
+    ]
+    return ".".join(parts)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable sentence for pydantic's error list, naming the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    for err in errors:
+        if err.get("type") == "extra_forbidden":
+            field = _field_path(err.get("loc", ()))
+            return (
+                f"unsupported field {field!r}: phalanx does not implement it (remove it from the request)",
+                field,
+            )
+    err = errors[0]
+    field = _field_path(err.get("loc", ())) or None
+    if err.get("type") == "missing":
+        return f"missing required field {field!r}", field
+    where = f"{field}: " if field else ""
+    return f"{where}{err.get('msg')} (got {err.get('input')!r})"[:2000], field
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="phalanx", version=phalanx.__version__)
+    serving = OpenAIServing(state.engine, state.tokenizer, state.served_model_name)
+
+    # ---- errors -----------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        return _error_response(APIError(400, str(exc)))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_response(engine_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    # ---- auth -------------------------------------------------------------------------------
+    @app.middleware("http")
+    async def _check_api_key(request: Request, call_next: Any) -> Response:
+        if state.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(header.encode(), expected.encode()):
+                return _error_response(
+                    APIError(
+                        401,
+                        "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                    )
+                )
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.served_model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {state.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_alive() -> None:
+        if state.engine.dead_message is not None:
+            raise EngineDeadError(state.engine.dead_message)
+
+    # ---- routes -----------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        check_model(req.model)
+        check_alive()
+        return await serving.chat(req, raw)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        check_model(req.model)
+        check_alive()
+        return await serving.completion(req, raw)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.served_model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "phalanx",
+                    "root": state.model_path,
+                    "max_model_len": state.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.is_healthy:
+            return Response(status_code=200)
+        message = state.engine.dead_message or "an engine process is not running"
+        return _error_response(APIError(503, message, "server_error", code="engine_dead"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": phalanx.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        if req.messages is not None:
+            text = serving.render_chat(req)
+            ids = state.tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        vocab = state.engine.client.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400,
+                f"token id {bad[0]} is outside the vocabulary; valid ids are 0..{vocab - 1}",
+                param="tokens",
+            )
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def make_state(
+    engine: AsyncLLM,
+    tokenizer: Any | None,
+    metrics: ServingMetrics,
+    served_model_name: str,
+    model_path: str,
+    api_key: str | None,
+) -> ServerState:
+    return ServerState(engine, tokenizer, metrics, served_model_name, model_path, api_key, int(time.time()))

@@ -1,0 +1,500 @@
+"""Chat and text completions: OpenAI request -> prompt token ids -> engine -> OpenAI response.
+
+Owns: prompt preparation (chat template, tokenization, context-length checks), the OpenAI response
+and SSE chunk formats (incl. logprobs, echo, usage, phalanx's `spec_stats`), diffing the engine's
+cumulative outputs into stream deltas per choice, and aborting work whose client went away.
+Does not own: routing, auth and error bodies (``server``), request schemas (``protocol``), text
+detokenization and stop strings (the engine front end's ``OutputProcessor``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from phalanx.engine.core_client import EngineDeadError
+from phalanx.engine.tokenizer import render_chat
+from phalanx.entrypoints.async_llm import AsyncLLM, RequestRejectedError
+from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from phalanx.outputs import CompletionOutput, Logprob, RequestOutput
+from phalanx.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, RequestRejectedError):
+        return APIError(400, str(e))
+    return APIError(503, f"the engine is not available: {e}", "server_error", code="engine_dead")
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, tokenizer: Any | None, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> _Prompt:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(
+                    400, "this model has no tokenizer; send token ids as the prompt", param="prompt"
+                )
+            return _Prompt(
+                prompt, list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+            )
+        return _Prompt(None, list(prompt))
+
+    def render_chat(self, req: Any) -> str:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot serve chat completions")
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            return render_chat(
+                self.tokenizer,
+                messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
+        except ValueError:
+            raise
+        except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
+            raise ValueError(f"the chat template failed to render these messages: {e}") from e
+
+    def _params(
+        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[_Prompt]
+    ) -> SamplingParams:
+        """Validate the sampling fields and every prompt's length; ValueError -> 400."""
+        requested = req.requested_max_tokens()
+        params = req.sampling_params(requested)
+        limit = self.engine.max_model_len
+        for p in prompts:
+            self.engine.validate_prompt(p.token_ids)
+            if requested is not None and len(p.token_ids) + requested > limit:
+                raise ValueError(
+                    f"this model's maximum context length is {limit} tokens, but {len(p.token_ids) + requested} "
+                    f"were requested ({len(p.token_ids)} in the prompt, {requested} in the completion); reduce "
+                    "the prompt or max_tokens"
+                )
+        return params
+
+    # ---- chat -------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        text = self.render_chat(req)
+        prompt = self._encode(text, add_special_tokens=False)
+        params = self._params(req, [prompt])
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = self.engine.generate(request_id, prompt.text, prompt.token_ids, params)
+        if req.stream:
+            return _sse(self._chat_stream(req, request_id, created, gen, len(prompt.token_ids)))
+        outputs = await _collect([gen], raw)
+        if outputs is None:
+            return Response(status_code=499)
+        final = outputs[0]
+        choices = []
+        for c in final.outputs:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None
+                if c.logprobs is None
+                else {"content": self._chat_logprobs(c, 0, req.top_logprobs or 0)},
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_spec_stats:
+                choice["spec_stats"] = _spec_stats(c)
+            choices.append(choice)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(len(prompt.token_ids), [final]),
+            }
+        )
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        gen: AsyncIterator[RequestOutput],
+        num_prompt_tokens: int,
+    ) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
+        }
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body = {**base, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            return _event(body)
+
+        sent_chars = [0] * req.n
+        sent_tokens = [0] * req.n
+        done = [False] * req.n
+        final: RequestOutput | None = None
+        try:
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(req.n)
+                ]
+            )
+            async for out in gen:
+                final = out
+                choices = []
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    delta = c.text[sent_chars[i] :]
+                    new_tokens = len(c.token_ids) - sent_tokens[i]
+                    if not delta and c.finish_reason is None and (new_tokens == 0 or c.logprobs is None):
+                        continue  # nothing to show yet (e.g. half a UTF-8 character held back)
+                    choice: dict[str, Any] = {
+                        "index": i,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.logprobs is not None and new_tokens:
+                        choice["logprobs"] = {
+                            "content": self._chat_logprobs(c, sent_tokens[i], req.top_logprobs or 0)
+                        }
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                        if req.return_spec_stats:
+                            choice["spec_stats"] = _spec_stats(c)
+                        done[i] = True
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    choices.append(choice)
+                if choices:
+                    yield chunk(choices)
+            if include_usage and final is not None:
+                yield _event({**base, "choices": [], "usage": _usage(num_prompt_tokens, [final])})
+        except (EngineDeadError, RequestRejectedError) as e:
+            yield _event(engine_error(e).body())
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int) -> list[dict[str, Any]]:
+        """OpenAI chat format for tokens [start:]. Each position's dict holds the chosen token (with its
+        true rank) and the top-n (ranks 1..n; the chosen one appears once), so ranks 1..n are the top."""
+        assert c.logprobs is not None
+        content = []
+        for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            chosen = entry.get(token_id)
+            token = self._token_text(token_id, chosen)
+            top = sorted(
+                ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= top_n),
+                key=lambda kv: kv[1].rank or 0,
+            )
+            content.append(
+                {
+                    "token": token,
+                    "logprob": _finite(chosen.logprob if chosen else float("-inf")),
+                    "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self._token_text(tid, lp)),
+                            "logprob": _finite(lp.logprob),
+                            "bytes": list(t.encode("utf-8")),
+                        }
+                        for tid, lp in top
+                    ],
+                }
+            )
+        return content
+
+    def _token_text(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}"
+
+    # ---- completions ------------------------------------------------------------------------
+    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        prompts = [self._encode(p) for p in req.prompts()]
+        params = self._params(req, prompts)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gens = [
+            self.engine.generate(f"{request_id}-{i}", p.text, p.token_ids, params)
+            for i, p in enumerate(prompts)
+        ]
+        if req.stream:
+            return _sse(self._completion_stream(req, request_id, created, gens, prompts))
+        finals = await _collect(gens, raw)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for pi, (p, final) in enumerate(zip(prompts, finals)):
+            prefix = self._prompt_text(p) if req.echo else ""
+            for c in final.outputs:
+                choice: dict[str, Any] = {
+                    "index": pi * req.n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": self._completion_logprobs(p, final, c, req.echo)
+                    if req.logprobs is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if req.return_spec_stats:
+                    choice["spec_stats"] = _spec_stats(c)
+                choices.append(choice)
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(sum(len(p.token_ids) for p in prompts), finals),
+            }
+        )
+
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        created: int,
+        gens: list[AsyncIterator[RequestOutput]],
+        prompts: list[_Prompt],
+    ) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        total = len(prompts) * req.n
+        sent_chars = [0] * total
+        sent_tokens = [0] * total
+        started = [False] * total
+        done = [False] * total
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for pi, out in _merge(gens):
+                finals[pi] = out
+                p = prompts[pi]
+                choices = []
+                for c in out.outputs:
+                    i = pi * req.n + c.index
+                    if done[i]:
+                        continue
+                    text = c.text[sent_chars[i] :]
+                    start_token = sent_tokens[i]
+                    if req.echo and not started[i]:
+                        text = self._prompt_text(p) + text
+                    started[i] = True
+                    if (
+                        not text
+                        and c.finish_reason is None
+                        and (len(c.token_ids) == start_token or req.logprobs is None)
+                    ):
+                        continue  # nothing to show yet (e.g. half a UTF-8 character held back)
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = self._completion_logprobs(
+                            p, out, c, req.echo and start_token == 0, start_token
+                        )
+                    choice: dict[str, Any] = {
+                        "index": i,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                        if req.return_spec_stats:
+                            choice["spec_stats"] = _spec_stats(c)
+                        done[i] = True
+                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
+                    choices.append(choice)
+                if choices:
+                    body = {**base, "choices": choices}
+                    if include_usage:
+                        body["usage"] = None
+                    yield _event(body)
+            if include_usage:
+                num_prompt = sum(len(p.token_ids) for p in prompts)
+                yield _event({**base, "choices": [], "usage": _usage(num_prompt, [f for f in finals if f])})
+        except (EngineDeadError, RequestRejectedError) as e:
+            yield _event(engine_error(e).body())
+        yield "data: [DONE]\n\n"
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        if p.text is not None:
+            return p.text
+        return self.tokenizer.decode(p.token_ids) if self.tokenizer is not None else ""
+
+    def _completion_logprobs(
+        self, p: _Prompt, out: RequestOutput, c: CompletionOutput, echo: bool, start: int = 0
+    ) -> dict[str, Any]:
+        """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset."""
+        entries: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo:
+            prompt_lps = out.prompt_logprobs or [None] * len(p.token_ids)
+            entries.extend(zip(p.token_ids, prompt_lps))
+        entries.extend(zip(c.token_ids[start:], (c.logprobs or [])[start:]))
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0 if echo or start == 0 else len(c.text)  # approximate for stream deltas
+        for token_id, entry in entries:
+            chosen = entry.get(token_id) if entry else None
+            token = self._token_text(token_id, chosen)
+            tokens.append(token)
+            token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
+            top_logprobs.append(
+                None
+                if entry is None
+                else {self._token_text(t, lp): _finite(lp.logprob) for t, lp in entry.items()}
+            )
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf; OpenAI clients expect a number."""
+    return max(x, -9999.0)
+
+
+def _usage(num_prompt_tokens: int, finals: list[RequestOutput]) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt_tokens + completion,
+    }
+
+
+def _spec_stats(c: CompletionOutput) -> dict[str, Any]:
+    return {
+        "num_draft_tokens": c.num_draft_tokens,
+        "num_accepted_tokens": c.num_accepted_tokens,
+        "num_verify_steps": c.num_verify_steps,
+        "mean_acceptance_length": c.mean_acceptance_length,
+    }
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams, tagging each item with its stream's index."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    sentinel = object()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(sentinel)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is sentinel:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(gens: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput] | None:
+    """Run the streams to their final outputs; None (and every request aborted) if the client left."""
+
+    async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+        final = None
+        async for out in gen:
+            final = out
+        assert final is not None
+        return final
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(asyncio.gather(*(last(g) for g in gens)))
+    watch = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():  # the client left (or this handler was cancelled): abort everything
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()

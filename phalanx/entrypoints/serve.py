@@ -25,6 +25,9 @@ from phalanx.entrypoints.openai.server import build_app, make_state
 logger = logging.getLogger("phalanx.server")
 
 
+DEAD_EXIT_DELAY_S = 1.0
+
+
 class ConfigError(ValueError):
     """A configuration problem found before any process starts (exit code 2)."""
 
@@ -81,8 +84,13 @@ async def serve(cfg: ServeConfig) -> int:
     def on_dead(message: str) -> None:
         nonlocal exit_code
         exit_code = 1
-        if server is not None:
-            server.should_exit = True
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        # A short grace period: in-flight requests get their 5xx and health checks see 503 first.
+        asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
 
     engine = AsyncLLM(client, tokenizer, metrics, on_dead=on_dead)
     app = build_app(make_state(engine, tokenizer, metrics, cfg.served_model_name, model_path, cfg.api_key))

@@ -274,3 +274,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
+    speculative: Any = None  # phalanx.spec_decode.config.SpeculativeConfig | None

@@ -68,3 +68,83 @@ def load_hf(folder: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def make_eagle_head(target: Path, folder: Path, method: str = "eagle", seed: int = 1) -> Path:
+    """A random EAGLE-1 / EAGLE-3 head for `target`, saved in the on-disk format vLLM loads."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    in_attn = 2 * h if method == "eagle3" else h
+    prefix = "midlayer." if method == "eagle3" else "layers.0."
+    w = {
+        f"{prefix}self_attn.q_proj.weight": rnd(heads * hd, in_attn),
+        f"{prefix}self_attn.k_proj.weight": rnd(kv * hd, in_attn),
+        f"{prefix}self_attn.v_proj.weight": rnd(kv * hd, in_attn),
+        f"{prefix}self_attn.o_proj.weight": rnd(h, heads * hd),
+        f"{prefix}mlp.gate_proj.weight": rnd(inter, h),
+        f"{prefix}mlp.up_proj.weight": rnd(inter, h),
+        f"{prefix}mlp.down_proj.weight": rnd(h, inter),
+        f"{prefix}post_attention_layernorm.weight": torch.ones(h),
+    }
+    head_cfg = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                     "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings")}
+    head_cfg.update(num_hidden_layers=1, model_type="llama", rope_theta=10000.0)
+    if method == "eagle3":
+        n = cfg["num_hidden_layers"]
+        draft_vocab = cfg["vocab_size"] // 2
+        kept = torch.arange(draft_vocab) * 2  # every other target token
+        w.update({
+            "fc.weight": rnd(h, 3 * h),
+            f"{prefix}input_layernorm.weight": torch.ones(h),
+            f"{prefix}hidden_norm.weight": torch.ones(h),
+            "norm.weight": torch.ones(h),
+            "lm_head.weight": rnd(draft_vocab, h),
+            "d2t": kept - torch.arange(draft_vocab),
+            "t2d": torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, kept, True),
+        })
+        head_cfg.update(architectures=["Eagle3LlamaForCausalLM"], draft_vocab_size=draft_vocab,
+                        target_hidden_size=h, eagle_aux_hidden_state_layer_ids=[0, n // 2, n - 1])
+    else:
+        w["fc.weight"] = rnd(h, 2 * h)
+        head_cfg.update(architectures=["EagleLlamaForCausalLM"])
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(head_cfg))
+    return folder
+
+
+def make_agreeing_eagle_pair(folder: Path) -> tuple[Path, Path]:
+    """A 1-layer target whose attention output is zeroed (so its next token depends only on the
+    current one) and an EAGLE-1 head that computes exactly that function of the token it is fed:
+    fc = [I, 0] passes the token embedding through, the head's MLP and norm are the target's, and
+    the target's final RMSNorm (weight 1) is a positive rescale that leaves the argmax unchanged."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target = make_model("LlamaForCausalLM", folder / "target", num_hidden_layers=1)
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.layers.0.self_attn.o_proj.weight"].zero_()
+    save_file(weights, str(target / "model.safetensors"))
+    head = make_eagle_head(target, folder / "eagle", "eagle")
+    hw = load_file(str(head / "model.safetensors"))
+    h = weights["model.embed_tokens.weight"].shape[1]
+    hw["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    hw["layers.0.self_attn.o_proj.weight"].zero_()
+    for name in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"):
+        hw[f"layers.0.{name}.weight"] = weights[f"model.layers.0.{name}.weight"].clone()
+    save_file(hw, str(head / "model.safetensors"))
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"]
+    return target, head

@@ -58,9 +58,14 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+        num_lookahead: int = 0,
     ) -> list[int] | None:
-        """Make the request's blocks cover num_computed (+ hit) + num_new tokens.
+        """Make the request's blocks cover num_computed (+ hit) + num_new tokens, plus
+        `num_lookahead` slots past them where a drafter writes its speculative KV.
 
         Returns the newly added block ids (prefix hits first), or None (and changes nothing) when
         the pool cannot supply them.
@@ -68,7 +73,8 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(req.req_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        total = num_computed + num_new_tokens + num_lookahead
+        needed = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Reviving free cached blocks for a hit also consumes free-queue entries.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) + revived > self.pool.num_free_blocks:

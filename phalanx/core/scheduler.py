@@ -31,11 +31,17 @@ from phalanx.request import FinishReason, Request, RequestStatus
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, num_spec_tokens: int = 0
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_spec_tokens: int = 0,
+        num_lookahead_slots: int = 0,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
         self.num_spec_tokens = num_spec_tokens
+        self.num_lookahead_slots = num_lookahead_slots
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -121,14 +127,15 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_block_ids = self.kv.allocate_slots(req, num_new)
+            lookahead = self.num_lookahead_slots
+            new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead)
             while new_block_ids is None:
                 victim = self.running.pop()  # lowest priority: the latest admitted
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                new_block_ids = self.kv.allocate_slots(req, num_new)
+                new_block_ids = self.kv.allocate_slots(req, num_new, num_lookahead=lookahead)
             if new_block_ids is None:
                 break
             num_scheduled[req.req_id] = num_new
@@ -153,7 +160,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_block_ids = self.kv.allocate_slots(req, num_new, hit_blocks)
+            new_block_ids = self.kv.allocate_slots(req, num_new, hit_blocks, self.num_lookahead_slots)
             if new_block_ids is None:
                 break
             self.waiting.popleft()

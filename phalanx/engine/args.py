@@ -7,6 +7,7 @@ Owns: defaults, resolving built-in model names, the max_model_len default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from phalanx.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
@@ -33,10 +34,16 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact KV block count (tests); overrides kv_cache_space
     data_parallel_size: int = 1
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_hf(resolve_model_path(self.model), self.dtype, self.max_model_len)
         max_len = model.max_model_len
+        spec = None
+        if self.speculative_config is not None:
+            from phalanx.spec_decode.config import SpeculativeConfig
+
+            spec = SpeculativeConfig.from_dict(self.speculative_config, model)
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         return EngineConfig(
             model=model,
@@ -53,4 +60,5 @@ class EngineArgs:
             ),
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size),
             seed=self.seed,
+            speculative=spec,
         )

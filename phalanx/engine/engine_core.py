@@ -32,7 +32,14 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
-        self.scheduler = Scheduler(cfg.scheduler, cfg.cache, self.runner.num_blocks)
+        spec = cfg.speculative
+        self.scheduler = Scheduler(
+            cfg.scheduler,
+            cfg.cache,
+            self.runner.num_blocks,
+            num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            num_lookahead_slots=self.runner.num_lookahead_slots,
+        )
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

@@ -41,8 +41,6 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         num_kv_blocks: int | None = None,
     ) -> None:
-        if speculative_config is not None:
-            raise NotImplementedError("speculative_config is not supported yet (see the speculative-decoding issue)")
         self.engine_args = EngineArgs(
             model=model,
             dtype=dtype,
@@ -54,6 +52,7 @@ class LLM:
             kv_cache_space=kv_cache_space,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
+            speculative_config=speculative_config,
         )
         config = self.engine_args.create_engine_config()
         self.tokenizer = load_tokenizer(tokenizer or config.model.path)

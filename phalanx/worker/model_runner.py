@@ -25,6 +25,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
+from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
 
@@ -48,24 +49,31 @@ class RunnerRequestState:
         return self.token_ids[len(self.prompt_token_ids) :]
 
 
-def kv_cache_num_blocks(cfg: EngineConfig) -> int:
-    m = cfg.model
-    bytes_per_block = (
-        2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * torch.finfo(m.dtype).bits // 8
-    )
+def kv_cache_num_blocks(cfg: EngineConfig, layer_specs: list[tuple[int, int]], num_lookahead: int = 0) -> int:
+    """Blocks that fit in kv_cache_space for all layers (target + drafter), each block holding K
+    and V of `block_size` tokens per layer; `layer_specs` is (num_kv_heads, head_dim) per layer."""
+    bs = cfg.cache.block_size
+    elem = torch.finfo(cfg.model.dtype).bits // 8
+    bytes_per_block = sum(2 * bs * kvh * hd * elem for kvh, hd in layer_specs)
     num_blocks = cfg.cache.num_gpu_blocks_override or int(cfg.cache.kv_cache_space * _GIB // bytes_per_block)
-    if num_blocks * cfg.cache.block_size < cfg.scheduler.max_model_len:
+    need = cfg.scheduler.max_model_len + num_lookahead
+    if num_blocks * bs < need:
         raise ValueError(
-            f"the KV cache holds {num_blocks * cfg.cache.block_size} tokens ({num_blocks} blocks of "
-            f"{cfg.cache.block_size}), fewer than max_model_len {cfg.scheduler.max_model_len}; "
+            f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}), fewer than "
+            f"max_model_len {cfg.scheduler.max_model_len} (+{num_lookahead} draft slots); "
             "raise kv_cache_space or lower max_model_len"
         )
     return num_blocks
 
 
-def allocate_kv_caches(m: ModelConfig, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, m.num_kv_heads, m.head_dim)
-    return [torch.zeros(shape, dtype=m.dtype) for _ in range(m.num_layers)]
+def target_layer_specs(m: ModelConfig) -> list[tuple[int, int]]:
+    return [(m.num_kv_heads, m.head_dim)] * m.num_layers
+
+
+def allocate_kv_caches(
+    layer_specs: list[tuple[int, int]], num_blocks: int, block_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return [torch.zeros((2, num_blocks, block_size, kvh, hd), dtype=dtype) for kvh, hd in layer_specs]
 
 
 class ModelRunner:
@@ -73,8 +81,19 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = cfg.cache.block_size
         self.model = model if model is not None else load_model(cfg.model)
-        self.num_blocks = kv_cache_num_blocks(cfg)
-        self.kv_caches = allocate_kv_caches(cfg.model, self.num_blocks, self.block_size)
+        self.proposer: Proposer | None = None
+        if cfg.speculative is not None:
+            self.proposer = build_proposer(cfg.speculative, self.model, cfg.model)
+        target_specs = target_layer_specs(cfg.model)
+        draft_specs = self.proposer.kv_cache_spec() if self.proposer is not None else []
+        self.num_lookahead_slots = self.proposer.num_lookahead_slots if self.proposer is not None else 0
+        self.num_blocks = kv_cache_num_blocks(cfg, target_specs + draft_specs, self.num_lookahead_slots)
+        self.kv_caches = allocate_kv_caches(target_specs, self.num_blocks, self.block_size, cfg.model.dtype)
+        if self.proposer is not None:
+            self.proposer.bind_kv_caches(
+                allocate_kv_caches(draft_specs, self.num_blocks, self.block_size, cfg.model.dtype)
+            )
+        self.aux_layer_ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -84,6 +103,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.finish_request(req_id)
         for new in sched.new_reqs:
             params = new.sampling_params
             gen = None
@@ -98,10 +119,14 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 token_ids=list(new.prompt_token_ids),
             )
+            if self.proposer is not None:
+                self.proposer.start_request(new.req_id, new.num_computed_tokens)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.resumed:
                 state.block_ids = list(cached.new_block_ids)
+                if self.proposer is not None:
+                    self.proposer.start_request(cached.req_id, cached.num_computed_tokens)
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -150,14 +175,53 @@ class ModelRunner:
         meta = build_attention_metadata(
             torch.tensor(q_lens), torch.tensor(num_computed), block_table, self.block_size
         )
-        hidden, _ = self.model(torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta)
+        hidden, aux = self.model(
+            torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids
+        )
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if sampling:
             self._sample(req_ids, sampling, drafts_of, hidden[torch.tensor(logit_rows)], out)
         if prompt_lp_reqs:
             self._prompt_logprobs(req_ids, q_lens, prompt_lp_reqs, hidden, out)
+        if self.proposer is not None:
+            out.spec_token_ids = self._propose(sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out)
         return out
+
+    def _propose(
+        self,
+        sched: SchedulerOutput,
+        req_ids: list[str],
+        q_lens: list[int],
+        num_computed: list[int],
+        block_table: torch.Tensor,
+        hidden: torch.Tensor,  # [T, H]
+        aux: list[torch.Tensor],
+        out: ModelRunnerOutput,
+    ) -> list[list[int]]:
+        assert self.proposer is not None
+        offsets, num_valid, sampled = [], [], []
+        offset = 0
+        for i, req_id in enumerate(req_ids):
+            produced = len(out.sampled_token_ids[i])
+            drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
+            # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
+            num_valid.append(q_lens[i] - drafts + max(produced - 1, 0))
+            sampled.append(produced > 0)
+            offsets.append(offset)
+            offset += q_lens[i]
+        batch = ProposeBatch(
+            req_ids=req_ids,
+            token_ids=[self.requests[r].token_ids for r in req_ids],
+            num_computed=num_computed,
+            num_valid=num_valid,
+            sampled=sampled,
+            block_table=block_table,
+            token_offsets=offsets,
+            target_hidden=hidden if self.proposer.needs_target_hidden else None,
+            target_aux=aux,
+        )
+        return self.proposer.propose(batch)
 
     def _sample(
         self,

@@ -1,0 +1,196 @@
+"""EAGLE-1 and EAGLE-3 draft heads, in the checkpoint formats vLLM loads.
+
+Owns: the head modules, their forward (returning the hidden state for logits and the hidden state
+fed back into the next drafting pass), their logits (EAGLE-3 maps its reduced vocabulary to
+target ids through `d2t`), and loading (`midlayer.*` and `model.` prefixes accepted).
+Does not own: the drafting loop (``spec_decode.eagle``).
+
+EAGLE-1 at position t, with e_t = embed(x_{t+1}) and f_t the target's final (normed) hidden state:
+    x = fc([e_t; f_t]);  r = x + attn(x);  out = r + mlp(post_norm(r));  logits = lm_head(out)
+(no input norm, no final norm; `out` is fed back as f for the next pass).
+EAGLE-3: g = fc([a_1; a_2; a_3]) over three target layers' residual streams (first pass only),
+    h = [input_norm(e_t); hidden_norm(g)];  r = g + attn(h);  pre = r + mlp(post_norm(r));
+    logits = lm_head(norm(pre)) over the draft vocabulary; target id = draft id + d2t[draft id];
+`pre` is fed back as g for the next pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.attention.metadata import AttentionMetadata
+from phalanx.config import ModelConfig
+from phalanx.layers.mlp import GatedMLP
+from phalanx.layers.norm import RMSNorm
+from phalanx.layers.rotary import RotaryEmbedding
+from phalanx.models.llama import Attention, CausalLM, DecoderLayer, _copy_shard, map_hf_name
+from phalanx.models.loader import iterate_weights
+
+
+def head_config(folder: str, target: ModelConfig) -> ModelConfig:
+    """The head's layer shapes as a ModelConfig (llama-style config.json), in the target's dtype."""
+    with open(Path(folder) / "config.json", encoding="utf-8") as f:
+        hf: dict[str, Any] = json.load(f)
+    hf = {**hf, "vocab_size": hf.get("vocab_size") or target.vocab_size}
+    hf.setdefault("max_position_embeddings", target.max_position_embeddings)
+    return ModelConfig._from_dict(folder, "LlamaForCausalLM", hf, target.dtype, None)
+
+
+def _normalise(name: str) -> str:
+    name = name.removeprefix("model.")
+    return name.replace("midlayer.", "layers.0.")
+
+
+class _HeadBase(nn.Module):
+    def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
+        super().__init__()
+        self.config = cfg
+        self.target = [target]  # a list, so the target's parameters are not registered twice
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max(target.config.max_model_len + 64, cfg.max_position_embeddings),
+            cfg.rope_theta, cfg.rope_scaling,
+        )
+        self.embed_tokens: nn.Embedding | None = None  # own embedding only if the checkpoint has one
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        return self.target[0].embed(input_ids)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        loaded: set[str] = set()
+        for raw_name, tensor in weights:
+            name = _normalise(raw_name)
+            if name == "embed_tokens.weight":
+                self.embed_tokens = nn.Embedding(*tensor.shape, dtype=self.config.dtype)
+                params["embed_tokens.weight"] = self.embed_tokens.weight
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                self._own_lm_head(tensor)
+                params["lm_head.weight"] = self.lm_head.weight  # type: ignore[union-attr]
+            if name in buffers:
+                buffers[name].copy_(tensor)
+                loaded.add(name)
+                continue
+            mapped = map_hf_name(name, self.config)
+            if mapped is None:
+                continue
+            pname, shard = mapped
+            if pname not in params:
+                if pname.startswith("t2d"):
+                    continue  # derived from d2t
+                raise ValueError(f"EAGLE checkpoint tensor {raw_name!r} has no matching parameter")
+            with torch.no_grad():
+                _copy_shard(params[pname], shard, tensor, self.config, raw_name)
+            loaded.add(pname)
+        missing = [n for n in params if n not in loaded and not n.startswith("target")]
+        if missing:
+            raise ValueError(f"EAGLE checkpoint {self.config.path!r} lacks weights for: {missing[:8]}")
+
+    def _own_lm_head(self, tensor: torch.Tensor) -> None:
+        self.lm_head = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=self.config.dtype)
+
+
+class Eagle1Head(_HeadBase):
+    num_aux_layers = 0
+
+    def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
+        super().__init__(cfg, target)
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=bool(cfg.hf_config.get("bias", False)))
+        layer = DecoderLayer(cfg, 0, self.rotary)
+        layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
+        self.layers = nn.ModuleList([layer])
+        self.lm_head: nn.Linear | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] the next token at each position
+        hidden: torch.Tensor,  # [T, H] target feature (first pass) or the head's own output
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden for logits, hidden fed back), both [T, H]
+        x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
+        out = self.layers[0](x, kv_caches[0], meta)
+        return out, out
+
+    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids
+        weight = self.lm_head.weight if self.lm_head is not None else None
+        if weight is None:
+            return self.target[0].compute_logits(hidden).argmax(dim=-1)
+        return torch.nn.functional.linear(hidden, weight).argmax(dim=-1)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, in_features=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        r = hidden + self.self_attn(x, kv_cache, meta)
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Eagle3Head(_HeadBase):
+    def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
+        super().__init__(cfg, target)
+        hf = cfg.hf_config
+        h = cfg.hidden_size
+        ids = hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
+        n = target.num_layers
+        self.aux_layer_ids: tuple[int, ...] = tuple(ids) if ids else (2, n // 2, n - 3)
+        if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
+            raise ValueError(f"EAGLE-3 aux layer ids {self.aux_layer_ids} are invalid for a {n}-layer target")
+        target_h = int(hf.get("target_hidden_size") or h)
+        self.fc = nn.Linear(3 * target_h, h, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg, self.rotary)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        draft_vocab = int(hf.get("draft_vocab_size") or cfg.vocab_size)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [T, H_target] -> [T, H]
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H] fused target feature (first pass) or the fed-back `pre`
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pre = self.layers[0](self.embed(input_ids), hidden, kv_caches[0], meta)
+        return self.norm(pre), pre
+
+    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] normed -> [N] target ids
+        draft_ids = self.lm_head(hidden).argmax(dim=-1)
+        return draft_ids + self.d2t[draft_ids]
+
+
+def load_eagle_head(folder: str, method: str, target: CausalLM) -> Eagle1Head | Eagle3Head:
+    cfg = head_config(folder, target.config)
+    cls = Eagle3Head if method == "eagle3" else Eagle1Head
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        head = cls(cfg, target)
+    finally:
+        torch.set_default_dtype(old)
+    head.load(iterate_weights(folder))
+    return head.eval()

@@ -1,0 +1,128 @@
+"""Speculative-decoding configuration with vLLM's field names, validated against the target.
+
+Owns: `SpeculativeConfig.from_dict` — unknown keys, k < 1, a method that needs a model without
+one, vocabulary / hidden-size mismatches, the draft's own max_model_len, and detecting `method`
+from the draft checkpoint's `architectures` when it is omitted.
+Does not own: building proposers (``spec_decode.proposer``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.config import ModelConfig
+
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+_MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+_FIELDS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "max_model_len",
+    "draft_tensor_parallel_size",
+)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # resolved folder of the draft checkpoint
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    max_model_len: int | None = None  # the drafter's own context limit
+    draft_tensor_parallel_size: int = 1
+
+    @property
+    def uses_model(self) -> bool:
+        return self.method in _MODEL_METHODS
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | str, target: ModelConfig) -> SpeculativeConfig:
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {raw!r}")
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown speculative config field(s) {unknown}; valid fields: {list(_FIELDS)}")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        tp = raw.get("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(f"draft_tensor_parallel_size must be 1 (phalanx has no tensor parallelism), got {tp!r}")
+        method = raw.get("method")
+        model = raw.get("model")
+        if model is not None:
+            from phalanx.engine.args import resolve_model_path
+
+            model = resolve_model_path(str(model))
+            if not (Path(model) / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"speculative model {raw.get('model')!r} is not a model folder with config.json "
+                    "(give a local Hugging Face folder or a built-in name)"
+                )
+        if method is None:
+            method = "ngram" if model is None else _detect_method(model)
+        if method not in METHODS:
+            raise ValueError(f"speculative method {method!r} is not supported; valid: {list(METHODS)}")
+        if method in _MODEL_METHODS and model is None:
+            raise ValueError(f"speculative method {method!r} needs a draft 'model' (a folder or built-in name)")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative method 'ngram' is model-free; remove 'model'")
+        lo = raw.get("prompt_lookup_min")
+        hi = raw.get("prompt_lookup_max")
+        if method != "ngram" and (lo is not None or hi is not None):
+            raise ValueError("prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only")
+        lo = int(lo if lo is not None else (1 if hi is None else min(int(hi), 1)))
+        hi = int(hi if hi is not None else max(lo, 4))
+        if not 1 <= lo <= hi:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
+        max_len = raw.get("max_model_len")
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 2):
+            raise ValueError(f"speculative max_model_len must be an integer >= 2, got {max_len!r}")
+        cfg = cls(method, k, model, lo, hi, max_len, 1)
+        if model is not None:
+            _check_compatible(cfg, target)
+        return cfg
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    with open(Path(folder) / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _detect_method(folder: str) -> str:
+    archs = _read_config(folder).get("architectures") or []
+    arch = archs[0] if archs else ""
+    if "eagle3" in arch.lower():
+        return "eagle3"
+    if "eagle" in arch.lower():
+        return "eagle"
+    return "draft_model"
+
+
+def _check_compatible(cfg: SpeculativeConfig, target: ModelConfig) -> None:
+    assert cfg.model is not None
+    draft = _read_config(cfg.model)
+    if cfg.method == "draft_model":
+        if int(draft.get("vocab_size", -1)) != target.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({draft.get('vocab_size')}) differs from the target's "
+                f"({target.vocab_size}); a draft model must share the target's tokenizer"
+            )
+    else:
+        hidden = int(draft.get("hidden_size", -1))
+        if hidden != target.hidden_size:
+            raise ValueError(
+                f"EAGLE head hidden_size {hidden} does not match the target's hidden_size {target.hidden_size}"
+            )

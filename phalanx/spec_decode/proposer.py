@@ -1,0 +1,88 @@
+"""The proposer protocol, the batch every proposer receives, and the registry.
+
+Owns: `Proposer` (the one interface the model runner calls), `ProposeBatch`, `build_proposer`.
+Does not own: any particular drafting method (``ngram``, ``draft_model``, ``eagle``), or the
+verification of drafts (``sample.rejection``).
+
+Contract. After the target verified this step, the runner hands the proposer the step's batch:
+every scheduled request with its token ids *after* appending this step's accepted tokens, the
+position where this step's tokens started (`num_computed`), how many of them hold valid target
+state (`num_valid`: scheduled minus rejected drafts), and whether it produced tokens (`sampled`).
+The proposer returns up to k greedy drafts for each sampled request (one-hot drafts: the rejection
+sampler treats them as deterministic, which keeps verification lossless for random requests too).
+
+Model-based proposers run exactly `num_passes` forwards per step, whatever the batch holds
+(pass 1 catches the drafter's KV up and drafts token 1, passes 2..k draft one token each); with
+nothing to do a pass runs on an empty batch. Keeping the pass count a constant is what lets
+data-parallel ranks in lockstep run the drafter together (DESIGN §5 rule 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from phalanx.config import ModelConfig
+from phalanx.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class ProposeBatch:
+    req_ids: list[str]
+    token_ids: list[list[int]]  # per request: prompt + outputs incl. this step's accepted tokens
+    num_computed: list[int]  # per request: position of the first token scheduled this step
+    num_valid: list[int]  # per request: scheduled tokens whose target state is valid (minus rejected)
+    sampled: list[bool]  # per request: produced tokens this step, so it gets drafts
+    block_table: torch.Tensor  # [R, max_blocks] int64, covering the lookahead slots too
+    token_offsets: list[int]  # per request: first row of its tokens in target_hidden
+    target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
+    target_aux: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3: [T, H] per aux layer
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+    # Extra KV slots the scheduler allocates past the scheduled tokens (where drafts are written).
+    num_lookahead_slots: int
+    # Target layers whose entering residual stream the proposer consumes (EAGLE-3).
+    aux_layer_ids: tuple[int, ...]
+    needs_target_hidden: bool
+
+    def kv_cache_spec(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each drafter layer that needs a paged KV cache."""
+        ...
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
+
+    def start_request(self, req_id: str, num_computed: int) -> None:
+        """A request is (re)scheduled from `num_computed` (new, or resumed after preemption)."""
+        ...
+
+    def finish_request(self, req_id: str) -> None: ...
+
+    def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        """Drafts per request of the batch ([] for requests that did not sample)."""
+        ...
+
+
+def build_proposer(spec: SpeculativeConfig, target_model: torch.nn.Module, target_cfg: ModelConfig) -> Proposer:
+    from phalanx.spec_decode.draft_model import DraftModelProposer
+    from phalanx.spec_decode.eagle import EagleProposer
+    from phalanx.spec_decode.ngram import NgramProposer
+
+    registry: dict[str, type] = {
+        "ngram": NgramProposer,
+        "draft_model": DraftModelProposer,
+        "eagle": EagleProposer,
+        "eagle3": EagleProposer,
+    }
+    return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
+
+
+def drafter_room(spec: SpeculativeConfig, target_cfg: ModelConfig) -> int:
+    """The drafter's context limit (its own max_model_len, never beyond the target's)."""
+    limit = target_cfg.max_model_len
+    if spec.max_model_len is not None:
+        limit = min(limit, spec.max_model_len)
+    return limit

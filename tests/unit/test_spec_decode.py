@@ -1,0 +1,248 @@
+"""Speculative decoding is lossless: spec == no spec for every method and k, acceptance is right
+for drafters that always / never agree, and every edge case (clipping, stops inside accepted runs,
+chunked prefill, prefix caching, preemption, n > 1, aborts) ends exactly where plain decoding does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.engine.engine_core import EngineCoreRequest
+from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
+
+LENS = [3, 17, 40, 9, 1, 25, 60, 5, 33, 12, 7, 50, 2, 19, 28, 44]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    target = make_model("LlamaForCausalLM", root / "target", num_hidden_layers=4)
+    return {
+        "target": target,
+        "draft": make_model("LlamaForCausalLM", root / "draft", seed=5, num_hidden_layers=1),
+        "eagle": make_eagle_head(target, root / "eagle", "eagle"),
+        "eagle3": make_eagle_head(target, root / "eagle3", "eagle3"),
+    }
+
+
+def _prompts(lens: list[int] = LENS, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    # Repetitive prompts give the n-gram proposer something to find.
+    out = []
+    for n in lens:
+        base = torch.randint(3, VOCAB, (max(1, n // 3),), generator=g).tolist()
+        out.append({"prompt_token_ids": (base * 3)[:n]})
+    return out
+
+
+def _spec(method: str, models: dict[str, Path], k: int) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    return {"method": method, "model": str(models["draft" if method == "draft_model" else method]),
+            "num_speculative_tokens": k}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(models: dict[str, Path]) -> list[list[int]]:
+    llm = LLM(str(models["target"]), dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_greedy_spec_equals_no_spec(method: str, k: int, models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec(method, models, k),
+              max_num_batched_tokens=96, block_size=8)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    m = llm.get_metrics()
+    assert m["spec_num_drafts"] > 0 and m["spec_num_draft_tokens"] >= m["spec_num_drafts"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_self_draft_accepts_everything(k: int, models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    spec = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": k}
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec)
+    # 1 + m (k + 1) new tokens: the first from the prompt, then full verification steps, no clipping.
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * (k + 1), ignore_eos=True)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[: params.max_tokens] for r in reference]
+    m = llm.get_metrics()
+    assert m["spec_num_accepted_tokens"] == m["spec_num_draft_tokens"]
+    assert m["spec_mean_acceptance_length"] == pytest.approx(k + 1)
+    assert m["spec_acceptance_rate_per_pos"] == pytest.approx([1.0] * k)
+    assert all(o.outputs[0].mean_acceptance_length == pytest.approx(k + 1) for o in outs)
+
+
+def test_agreeing_eagle_head_accepts_everything(tmp_path: Path) -> None:
+    target, head = make_agreeing_eagle_pair(tmp_path)
+    k = 3
+    prompts = _prompts([5, 9, 30, 2], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 3 * (k + 1), ignore_eos=True)
+    ref = LLM(str(target), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), dtype="float32", speculative_config={"model": str(head), "num_speculative_tokens": k})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.get_metrics()["spec_mean_acceptance_length"] == pytest.approx(k + 1)
+
+
+def test_random_drafter_low_acceptance_still_exact(models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft_model", models, 3))
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.get_metrics()["spec_mean_acceptance_length"] < 1.5
+
+
+def _self_spec(models: dict[str, Path], k: int = 3, **extra) -> dict:  # noqa: ANN003
+    return {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": k, **extra}
+
+
+def test_drafts_clipped_at_max_model_len_and_max_tokens(models: dict[str, Path]) -> None:
+    prompts = _prompts([50, 58, 61, 30], seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 2, 3)]
+    plain = LLM(str(models["target"]), dtype="float32", max_model_len=64)
+    spec = LLM(str(models["target"]), dtype="float32", max_model_len=64, speculative_config=_self_spec(models, 5))
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == "length"
+    caps = [min(p.max_tokens, 64 - len(x["prompt_token_ids"])) for p, x in zip(params, prompts)]
+    assert caps[0] < 20  # max_model_len, not max_tokens, ends the first one
+    assert [len(g.outputs[0].token_ids) for g in got] == caps
+
+
+def test_drafter_max_model_len_stops_drafting(models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    for method in ("draft_model", "eagle"):
+        spec = {**_spec(method, models, 3), "max_model_len": 40}
+        llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec)
+        outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        # Requests longer than the drafter's limit never drafted.
+        long = [o for o, n in zip(outs, LENS) if n + 3 > 40]
+        assert long and all(o.outputs[0].num_draft_tokens == 0 for o in long)
+
+
+def test_stop_token_and_stop_string_inside_accepted_run(models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    prompts = _prompts()[:6]
+    spec = LLM(str(models["target"]), dtype="float32", speculative_config=_self_spec(models, 5))
+    plain = LLM(str(models["target"]), dtype="float32")
+    for i, prompt in enumerate(prompts):
+        stop_tok = reference[i][9]  # well inside a run of 5 accepted drafts
+        p = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_tok])
+        a = plain.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        b = spec.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        assert (b.token_ids, b.finish_reason, b.stop_reason) == (a.token_ids, "stop", stop_tok)
+        text = plain.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+        stop = text[12:14]
+        if not stop.strip() or "\ufffd" in stop:
+            continue
+        p = SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])
+        a = plain.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        b = spec.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+        assert (b.text, b.finish_reason, b.stop_reason) == (a.text, "stop", stop)
+
+
+def test_logprobs_come_from_the_target(models: dict[str, Path]) -> None:
+    prompts = _prompts()[:5]
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    a = LLM(str(models["target"]), dtype="float32").generate(prompts, p, use_tqdm=False)
+    b = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, 3)).generate(
+        prompts, p, use_tqdm=False
+    )
+    for x, y in zip(a, b):
+        for da, db in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+
+
+def test_spec_with_chunked_prefill_prefix_cache_and_preemption(models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    spec = _self_spec(models, 3)
+    chunked = LLM(str(models["target"]), dtype="float32", speculative_config=spec, max_num_batched_tokens=10)
+    assert [o.outputs[0].token_ids for o in chunked.generate(_prompts(), GREEDY, use_tqdm=False)] == reference
+    # Prefix cache: the second round hits the cache and still matches.
+    cached = LLM(str(models["target"]), dtype="float32", speculative_config=spec, block_size=4)
+    cached.generate(_prompts(), GREEDY, use_tqdm=False)
+    again = cached.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert sum(o.num_cached_tokens for o in again) > 0
+    # Preemption forced by a tiny cache.
+    tight = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, 3),
+                block_size=4, max_model_len=96, num_kv_blocks=40)
+    assert [o.outputs[0].token_ids for o in tight.generate(_prompts(), GREEDY, use_tqdm=False)] == reference
+    assert tight.get_metrics()["num_preemptions"] > 0
+
+
+def test_random_sampling_with_spec_n_samples(models: dict[str, Path]) -> None:
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft_model", models, 3))
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+    a = llm.generate(_prompts()[:4], params, use_tqdm=False)
+    b = llm.generate(_prompts()[:4], params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]  # seeded: reproducible
+        assert len({tuple(c.token_ids) for c in x.outputs}) == 3
+        assert all(len(c.token_ids) == 16 for c in x.outputs)
+    # Greedy and random requests mixed in one batch: the greedy ones still match plain decoding.
+    mixed = [GREEDY, SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)] * 8
+    outs = llm.generate(_prompts(), mixed, use_tqdm=False)
+    plain = LLM(str(models["target"]), dtype="float32").generate(_prompts()[::2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[::2]] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_abort_mid_run_frees_blocks(models: dict[str, Path]) -> None:
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, 3))
+    core = llm.engine
+    for i, p in enumerate(_prompts()[:6]):
+        core.add_request(EngineCoreRequest(f"a{i}", p["prompt_token_ids"], GREEDY))
+    for _ in range(3):
+        core.step()
+    core.abort_requests([f"a{i}" for i in range(0, 6, 2)])
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()  # the runner drops finished state on the next schedule
+    assert core.scheduler.kv.num_free_blocks == core.runner.num_blocks
+    assert not core.runner.requests
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs a draft 'model'"),
+        ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "foo": 1}, r"unknown speculative config field\(s\) \['foo'\]"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+         "draft_tensor_parallel_size must be 1"),
+    ],
+)
+def test_bad_speculative_config(spec: dict, message: str, models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(models["target"]), speculative_config=spec)
+
+
+def test_incompatible_drafts_rejected(models: dict[str, Path], tmp_path: Path) -> None:
+    other_vocab = make_model("LlamaForCausalLM", tmp_path / "v", vocab_size=VOCAB + 10)
+    with pytest.raises(ValueError, match=f"vocabulary \\({VOCAB + 10}\\) differs"):
+        LLM(str(models["target"]), speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2})
+    wide = make_model("LlamaForCausalLM", tmp_path / "w", hidden_size=128)
+    head = make_eagle_head(wide, tmp_path / "wide_eagle", "eagle")
+    with pytest.raises(ValueError, match="EAGLE head hidden_size 128 does not match the target's hidden_size 64"):
+        LLM(str(models["target"]), speculative_config={"model": str(head), "num_speculative_tokens": 2})
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        LLM(str(models["target"]), speculative_config={"model": str(tmp_path / "none"), "num_speculative_tokens": 2})
+
+
+def test_method_detected_from_checkpoint(models: dict[str, Path]) -> None:
+    from phalanx.config import ModelConfig
+    from phalanx.spec_decode.config import SpeculativeConfig
+
+    target = ModelConfig.from_hf(str(models["target"]))
+    for name, method in (("eagle", "eagle"), ("eagle3", "eagle3"), ("draft", "draft_model")):
+        cfg = SpeculativeConfig.from_dict({"model": str(models[name]), "num_speculative_tokens": 2}, target)
+        assert cfg.method == method

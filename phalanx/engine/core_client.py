@@ -72,6 +72,7 @@ class EngineCoreClient:
         self.config = config
         self.ranks: list[RankHandle] = []
         self._req_rank: dict[str, RankHandle] = {}
+        self._next_rank = 0
         self._ctx = zmq.asyncio.Context()
         self._ipc_dir = tempfile.mkdtemp(prefix="phalanx-ipc-")
         self._encoder = msgspec.msgpack.Encoder()
@@ -150,7 +151,11 @@ class EngineCoreClient:
 
     # ---- requests ---------------------------------------------------------------------------
     def least_loaded_rank(self) -> RankHandle:
-        return min(self.ranks, key=lambda r: (r.num_unfinished, r.rank))
+        """Fewest unfinished requests; ties go round-robin (so an idle server spreads sequential work)."""
+        n = len(self.ranks)
+        rank = min(self.ranks, key=lambda r: (r.num_unfinished, (r.rank - self._next_rank) % n))
+        self._next_rank = (rank.rank + 1) % n
+        return rank
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> int:
         """Send a group of engine requests (the samples of one parent) to one rank; returns it.

@@ -78,15 +78,26 @@ def serve_command(model: Path | str | None, *flags: str) -> list[str]:
     return cmd + list(flags)
 
 
-def start_server(model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None,
-                 timeout: float = 90.0) -> ServerProcess:
+def start_server(
+    model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None, timeout: float = 90.0
+) -> ServerProcess:
     port = free_port()
     cmd = serve_command(
-        model, "--port", str(port), "--served-model-name", MODEL_NAME, "--num-gpu-blocks-override", "256",
-        "--log-stats-interval", "1", *flags,
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--num-gpu-blocks-override",
+        "256",
+        "--log-stats-interval",
+        "1",
+        *flags,
     )
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     server = ServerProcess(proc, port, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -124,6 +135,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture()
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=60.0) as client:
+    with httpx.Client(
+        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60.0
+    ) as client:
         yield client

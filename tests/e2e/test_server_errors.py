@@ -14,10 +14,21 @@ LONG_PROMPT = "ab " * 400  # > 256 tokens (the server's max_model_len)
 
 BAD_REQUESTS = [
     # (path, body, status, text expected in the message, expected param)
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
+    (
+        CHAT,
+        {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+        "tools",
+    ),
     (CHAT, {"messages": MSGS, "tool_choice": "auto"}, 400, "tool_choice", "tool_choice"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {}}}, 400,
-     "response_format", "response_format"),
+    (
+        CHAT,
+        {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "response_format",
+        "response_format",
+    ),
     (CHAT, {"messages": MSGS, "logit_bias": {"1": 5}}, 400, "logit_bias", "logit_bias"),
     (CHAT, {"messages": MSGS, "functions": []}, 400, "functions", "functions"),
     (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
@@ -33,8 +44,13 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, 400, "messages", "messages"),
     (CHAT, {}, 400, "messages", "messages"),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "role", "messages.0.role"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "image_url", None),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "image_url",
+        None,
+    ),
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     (CHAT, {"messages": MSGS, "max_tokens": 1000}, 400, "maximum context length is 256", None),
     (CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "max_model_len is 256", None),
@@ -68,9 +84,14 @@ def _normal_request_works(http: httpx.Client) -> None:
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-@pytest.mark.parametrize(("path", "body", "status", "text", "param"), BAD_REQUESTS,
-                         ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}" for i, b in enumerate(BAD_REQUESTS)])
-def test_bad_request(http: httpx.Client, path: str, body: dict, status: int, text: str, param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("path", "body", "status", "text", "param"),
+    BAD_REQUESTS,
+    ids=[f"{i}-{b[0].rsplit('/', 1)[-1]}" for i, b in enumerate(BAD_REQUESTS)],
+)
+def test_bad_request(
+    http: httpx.Client, path: str, body: dict, status: int, text: str, param: str | None
+) -> None:
     _check_error(http.post(path, json=body), status, text, param)
 
 

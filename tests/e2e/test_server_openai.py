@@ -55,7 +55,9 @@ def test_completions_prompt_forms(client: openai.OpenAI, server: ServerProcess) 
     one = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=5, **GREEDY)
     assert one.object == "text_completion" and len(one.choices) == 1
     assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 5
-    two = client.completions.create(model=MODEL_NAME, prompt=["hello world", "def add(a"], max_tokens=5, **GREEDY)
+    two = client.completions.create(
+        model=MODEL_NAME, prompt=["hello world", "def add(a"], max_tokens=5, **GREEDY
+    )
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].text == one.choices[0].text
     assert two.usage.completion_tokens == 10
@@ -72,7 +74,12 @@ def test_completions_prompt_forms(client: openai.OpenAI, server: ServerProcess) 
 def test_streaming_chat_matches_non_streaming(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=24, **GREEDY)
     stream = client.chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, max_tokens=24, stream=True, stream_options={"include_usage": True}, **GREEDY
+        model=MODEL_NAME,
+        messages=MSGS,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -87,31 +94,36 @@ def test_streaming_chat_matches_non_streaming(client: openai.OpenAI) -> None:
 
 def test_streaming_completion_matches_non_streaming(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL_NAME, prompt="The answer", max_tokens=20, **GREEDY)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt="The answer", max_tokens=20, stream=True,
-                                            **GREEDY))
+    chunks = list(
+        client.completions.create(model=MODEL_NAME, prompt="The answer", max_tokens=20, stream=True, **GREEDY)
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_n_samples(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=6, n=3, seed=7,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=6, n=3, seed=7, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == 18
     assert len({c.message.content for c in r.choices}) > 1  # seeds 7, 8, 9 differ
     texts = {0: "", 1: ""}
-    for chunk in client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=6, n=2, seed=3, stream=True,
-                                           extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=6, n=2, seed=3, stream=True, extra_body={"ignore_eos": True}
+    ):
         for c in chunk.choices:
             texts[c.index] += c.text
-    again = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=6, n=2, seed=3,
-                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=6, n=2, seed=3, extra_body={"ignore_eos": True}
+    )
     assert [texts[0], texts[1]] == [c.text for c in again.choices]
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=5, logprobs=True, top_logprobs=3,
-                                       **GREEDY)
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 5
     for pos in content:
@@ -121,8 +133,9 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         # Greedy: the chosen token is the most likely one.
         assert pos.logprob == pytest.approx(lps[0], abs=1e-4)
     streamed = []
-    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=5, logprobs=True,
-                                                top_logprobs=1, stream=True, **GREEDY):
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME, messages=MSGS, max_tokens=5, logprobs=True, top_logprobs=1, stream=True, **GREEDY
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed.extend(chunk.choices[0].logprobs.content)
     assert [p.logprob for p in streamed] == pytest.approx([p.logprob for p in content], abs=1e-4)
@@ -133,8 +146,9 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(d) >= 2 for d in lp.top_logprobs)
-    e = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=4, logprobs=1, echo=True,
-                                  **GREEDY)
+    e = client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=4, logprobs=1, echo=True, **GREEDY
+    )
     assert e.choices[0].text == "hello world" + r.choices[0].text
     n_prompt = e.usage.prompt_tokens
     elp = e.choices[0].logprobs
@@ -154,23 +168,38 @@ def _printable_stop(text: str) -> tuple[str, str]:
 def test_stop_strings(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, **GREEDY)
     stop, expected = _printable_stop(full.choices[0].text)
-    r = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=[stop], **GREEDY)
+    r = client.completions.create(
+        model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=[stop], **GREEDY
+    )
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=stop,
-                                           stream=True, **GREEDY)
+        for c in client.completions.create(
+            model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=stop, stream=True, **GREEDY
+        )
     )
     assert streamed == expected  # no part of the stop string leaks into the stream
-    inc = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=[stop],
-                                    temperature=0.0, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    inc = client.completions.create(
+        model=MODEL_NAME,
+        prompt="def add(a, b):",
+        max_tokens=30,
+        stop=[stop],
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    )
     assert inc.choices[0].text == expected + stop
 
 
 def test_seed_reproducibility(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
-        r = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=12, temperature=1.0, seed=seed,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL_NAME,
+            prompt="hello",
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
         return r.choices[0].text
 
     a = sample(1234)
@@ -180,17 +209,39 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 
 def test_extension_fields(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=MSGS, max_tokens=4, temperature=0.7, top_p=0.9, seed=1,
-        presence_penalty=0.5, frequency_penalty=0.5, user="u1",
-        extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
-                    "skip_special_tokens": False, "return_spec_stats": True, "chat_template_kwargs": {}},
+        model=MODEL_NAME,
+        messages=MSGS,
+        max_tokens=4,
+        temperature=0.7,
+        top_p=0.9,
+        seed=1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="u1",
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.01,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "return_spec_stats": True,
+            "chat_template_kwargs": {},
+        },
     )
     choice = r.model_dump()["choices"][0]
-    assert choice["spec_stats"] == {"num_draft_tokens": 0, "num_accepted_tokens": 0, "num_verify_steps": 0,
-                                    "mean_acceptance_length": None}
+    assert choice["spec_stats"] == {
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "num_verify_steps": 0,
+        "mean_acceptance_length": None,
+    }
     cont = client.chat.completions.create(
-        model=MODEL_NAME, messages=[*MSGS, {"role": "assistant", "content": "It is"}], max_tokens=3,
-        extra_body={"add_generation_prompt": False, "continue_final_message": True}, temperature=0.0,
+        model=MODEL_NAME,
+        messages=[*MSGS, {"role": "assistant", "content": "It is"}],
+        max_tokens=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+        temperature=0.0,
     )
     assert cont.choices[0].finish_reason in ("length", "stop")
 
@@ -204,8 +255,13 @@ def test_async_client_concurrent_streams(server: ServerProcess, client: openai.O
         kwargs = {"stop": [stop]} if i % 4 == 0 else {}
         max_tokens = 8 + i % 5 if i % 4 else 24
         stream = await aclient.completions.create(
-            model=MODEL_NAME, prompt="hello world", max_tokens=max_tokens, stream=True,
-            stream_options={"include_usage": True}, **GREEDY, **kwargs,
+            model=MODEL_NAME,
+            prompt="hello world",
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+            **kwargs,
         )
         text, finish, usage = "", None, 0
         async for chunk in stream:
@@ -219,7 +275,9 @@ def test_async_client_concurrent_streams(server: ServerProcess, client: openai.O
     async def main() -> list[tuple[int, str, str | None, int]]:
         aclient = async_client(server)
         try:
-            chat = await aclient.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=3, **GREEDY)
+            chat = await aclient.chat.completions.create(
+                model=MODEL_NAME, messages=MSGS, max_tokens=3, **GREEDY
+            )
             assert chat.choices[0].finish_reason == "length"
             return await asyncio.wait_for(asyncio.gather(*(one(aclient, i) for i in range(32))), timeout=120)
         finally:

@@ -1,0 +1,245 @@
+"""Process-level behaviour: disconnects free KV blocks, metrics, a dead engine fails fast and loudly,
+start-up errors exit non-zero with a clear message, the CLI documents its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import API_KEY, MODEL_NAME, REPO, ServerProcess, serve_command, start_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+LONG = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+
+
+def metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return out
+
+
+def gauge_sum(m: dict, name: str) -> float:
+    return sum(v for (n, _), v in m.items() if n == name)
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_stream_disconnect_frees_blocks(server: ServerProcess) -> None:
+    """A client that drops a stream mid-way aborts its request; its KV blocks come back."""
+    url = server.base_url
+    with (
+        httpx.Client(base_url=url, headers=AUTH, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        wait_for(lambda: gauge_sum(metrics(url), "phalanx:kv_cache_usage_perc") > 0, what="KV blocks in use")
+        assert gauge_sum(metrics(url), "phalanx:num_requests_running") == 1
+    # Leaving the block closes the connection before the 200 tokens are done.
+    wait_for(
+        lambda: (
+            gauge_sum(metrics(url), "phalanx:num_requests_running") == 0
+            and gauge_sum(metrics(url), "phalanx:kv_cache_usage_perc") == 0.0
+        ),
+        what="the aborted request's blocks to be freed",
+    )
+    m = metrics(url)
+    assert m[("phalanx:request_success_total", (("finished_reason", "abort"),))] >= 1
+
+
+def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
+    url = server.base_url
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240}, headers=AUTH, timeout=1.0)
+    wait_for(
+        lambda: (
+            gauge_sum(metrics(url), "phalanx:num_requests_running") == 0
+            and gauge_sum(metrics(url), "phalanx:kv_cache_usage_perc") == 0.0
+        ),
+        what="the aborted request's blocks to be freed",
+    )
+
+
+def test_metrics_names(server: ServerProcess) -> None:
+    url = server.base_url
+    body = {**LONG, "prompt": "hello world " * 12, "max_tokens": 4}  # > 2 KV blocks of prompt
+    for _ in range(2):  # the second one hits the prefix cache
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+    wait_for(
+        lambda: gauge_sum(metrics(url), "phalanx:prefix_cache_hits_total") > 0, what="a prefix-cache hit"
+    )
+    m = metrics(url)
+    names = {n for n, _ in m}
+    for name in (
+        "phalanx:request_success_total",
+        "phalanx:prompt_tokens_total",
+        "phalanx:generation_tokens_total",
+        "phalanx:time_to_first_token_seconds_count",
+        "phalanx:inter_token_latency_seconds_count",
+        "phalanx:e2e_request_latency_seconds_count",
+        "phalanx:num_requests_running",
+        "phalanx:num_requests_waiting",
+        "phalanx:kv_cache_usage_perc",
+        "phalanx:prefix_cache_queries_total",
+        "phalanx:prefix_cache_hits_total",
+    ):
+        assert name in names, name
+    assert m[("phalanx:request_success_total", (("finished_reason", "length"),))] >= 2
+    assert gauge_sum(m, "phalanx:generation_tokens_total") >= 8
+    assert gauge_sum(m, "phalanx:prefix_cache_hits_total") > 0
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+    ):
+        assert f"# TYPE phalanx:{name}_total counter" in text, name
+    # The periodic stats line (every 1 s in these tests) reports throughput and cache state.
+    wait_for(lambda: "generation throughput" in server.log(), what="the stats log line")
+    line = next(ln for ln in server.log().splitlines() if "generation throughput" in ln)
+    for part in ("prompt throughput", "running:", "waiting:", "KV-cache usage", "prefix-cache hit rate"):
+        assert part in line
+
+
+def test_engine_killed_dp2(tiny_model: Path, tmp_path: Path) -> None:
+    """Two engine ranks share the load; killing one makes /health 503, fails in-flight requests with
+    an error promptly, and the server exits non-zero within seconds (never a hang)."""
+    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "256")
+    try:
+        pids = srv.engine_pids()
+        assert len(pids) == 2
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            for _ in range(4):
+                r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+                assert r.status_code == 200
+            wait_for(
+                lambda: (
+                    {k for (n, k) in metrics(srv.base_url) if n == "phalanx:num_requests_running"}
+                    == {(("engine", "0"),), (("engine", "1"),)}
+                ),
+                what="both ranks to report",
+            )
+            with c.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                t0 = time.monotonic()
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                rest = list(lines)
+                assert time.monotonic() - t0 < 10
+            assert any('"engine_dead"' in line for line in rest), rest[-3:]
+            assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
+            health = c.get("/health")
+            assert health.status_code == 503 and "exited" in health.json()["error"]["message"]
+            try:
+                r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
+                assert r.status_code >= 500
+            except httpx.TransportError:
+                pass  # already shutting down
+        assert srv.proc.wait(15) != 0
+        assert "exited with code -9" in srv.log()
+    finally:
+        srv.stop()
+
+
+def _cli(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, *args: str) -> tuple[int, str]:
+    """Run `phalanx ARGS` in this process (fast: no interpreter start); returns (exit code, output)."""
+    from phalanx.entrypoints.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse: --help, bad values
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out + out.err + caplog.text
+
+
+def test_startup_errors_exit_nonzero(tmp_path: Path, tiny_model: Path, capsys, caplog) -> None:
+    code, out = _cli(capsys, caplog, "serve", str(tmp_path / "missing"), "--port", "1")
+    assert code == 2 and "does not exist" in out
+    code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--max-model-len", "100000", "--port", "1")
+    assert code == 2 and "max_model_len" in out
+    # Only the engine process finds this one (the KV cache cannot hold one full-length request):
+    # the message travels back and the server exits 1 instead of hanging.
+    r = subprocess.run(
+        serve_command(tiny_model, "--port", "1", "--num-gpu-blocks-override", "2"),
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "failed to start" in r.stderr and "KV cache" in r.stderr
+
+
+def test_cli_help_documents_every_flag(capsys, caplog) -> None:
+    code, top = _cli(capsys, caplog, "--help")
+    assert code == 0 and "serve" in top and "bench" in top
+    code, serve = _cli(capsys, caplog, "serve", "--help")
+    assert code == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--api-key",
+        "--dtype",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--kv-cache-space",
+        "--block-size",
+        "--seed",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        "--data-parallel-size",
+        "-dp",
+        "--log-level",
+        "--log-stats-interval",
+        "PHALANX_API_KEY",
+    ):
+        assert flag in serve, flag
+
+
+def test_demo_default_and_speculative_flag(tiny_model: Path, capsys, caplog) -> None:
+    """No MODEL means the built-in demo; until it is trained (or while the engine lacks speculative
+    decoding) the command says so and exits non-zero instead of serving something else."""
+    from phalanx.demo import resolve_model_path
+    from phalanx.engine.args import EngineArgs
+
+    has_spec = "speculative_config" in {f.name for f in dataclasses.fields(EngineArgs)}
+    if not Path(resolve_model_path("phalanx-math")).is_dir():
+        code, out = _cli(capsys, caplog, "serve", "--port", "1")
+        assert code != 0 and "phalanx-math" in out and "not in this install" in out
+    if not has_spec:
+        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+        code, out = _cli(
+            capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1"
+        )
+        assert code == 2 and "--speculative-config is not supported" in out
+    code, out = _cli(
+        capsys, caplog, "serve", str(tiny_model), "--speculative-config", "{not json", "--port", "1"
+    )
+    assert code == 2 and "JSON" in out

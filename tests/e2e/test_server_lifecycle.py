@@ -123,17 +123,35 @@ def test_metrics_names(server: ServerProcess) -> None:
         assert part in line
 
 
-def test_engine_killed_dp2(tiny_model: Path, tmp_path: Path) -> None:
-    """Two engine ranks share the load; killing one makes /health 503, fails in-flight requests with
-    an error promptly, and the server exits non-zero within seconds (never a hang)."""
-    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "256")
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][:1] != "Z"
+
+
+def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) -> None:
+    """Two engine ranks (with n-gram speculative decoding) share the load and report per-rank and
+    speculative stats. Killing one rank makes /health 503, fails in-flight requests promptly, shuts the
+    other rank down, and the server exits non-zero within seconds (never a hang)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "256",
+                       "--speculative-config", spec)  # fmt: skip
     try:
         pids = srv.engine_pids()
         assert len(pids) == 2
         with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            body = {**LONG, "prompt": "a b c " * 8, "max_tokens": 24, "return_spec_stats": True}
             for _ in range(4):
-                r = c.post("/v1/completions", json={**LONG, "max_tokens": 3})
-                assert r.status_code == 200
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                stats = r.json()["choices"][0]["spec_stats"]
+                assert stats["num_draft_tokens"] > 0 and stats["num_verify_steps"] > 0
+                assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+                assert 1.0 <= stats["mean_acceptance_length"] <= 3.0
             wait_for(
                 lambda: (
                     {k for (n, k) in metrics(srv.base_url) if n == "phalanx:num_requests_running"}
@@ -141,12 +159,20 @@ def test_engine_killed_dp2(tiny_model: Path, tmp_path: Path) -> None:
                 ),
                 what="both ranks to report",
             )
+            m = metrics(srv.base_url)
+            assert gauge_sum(m, "phalanx:spec_decode_num_drafts_total") > 0
+            assert gauge_sum(m, "phalanx:spec_decode_num_draft_tokens_total") >= gauge_sum(
+                m, "phalanx:spec_decode_num_accepted_tokens_total"
+            )
+            assert gauge_sum(m, "phalanx:spec_decode_num_accepted_tokens_per_pos_total") == gauge_sum(
+                m, "phalanx:spec_decode_num_accepted_tokens_total"
+            )
+            wait_for(lambda: "mean acceptance length" in srv.log(), what="the speculative stats log line")
             with c.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 t0 = time.monotonic()
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
+                os.kill(pids[1], signal.SIGKILL)
                 rest = list(lines)
                 assert time.monotonic() - t0 < 10
             assert any('"engine_dead"' in line for line in rest), rest[-3:]
@@ -160,6 +186,7 @@ def test_engine_killed_dp2(tiny_model: Path, tmp_path: Path) -> None:
                 pass  # already shutting down
         assert srv.proc.wait(15) != 0
         assert "exited with code -9" in srv.log()
+        wait_for(lambda: not _alive(pids[0]), what="the surviving rank to be shut down")
     finally:
         srv.stop()
 
@@ -243,3 +270,7 @@ def test_demo_default_and_speculative_flag(tiny_model: Path, capsys, caplog) -> 
         capsys, caplog, "serve", str(tiny_model), "--speculative-config", "{not json", "--port", "1"
     )
     assert code == 2 and "JSON" in out
+    if has_spec:  # the engine's own validation of the speculative config reaches the user
+        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
+        code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1")
+        assert code == 2 and "num_speculative_tokens" in out

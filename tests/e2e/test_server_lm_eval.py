@@ -35,7 +35,9 @@ def test_lm_eval_local_chat_completions(server: ServerProcess, tmp_path: Path) -
         "HF_HOME": str(tmp_path / "hf"),
         "OPENAI_API_KEY": API_KEY,
     }
-    model_args = f"model={MODEL_NAME},base_url={server.base_url}/v1/chat/completions,num_concurrent=4,max_retries=1"
+    model_args = (
+        f"model={MODEL_NAME},base_url={server.base_url}/v1/chat/completions,num_concurrent=4,max_retries=1"
+    )
     cmd = [
         _lm_eval(), "--model", "local-chat-completions", "--model_args", model_args,
         "--tasks", "phalanx_tiny", "--include_path", str(TASK_DIR.relative_to(REPO)), "--apply_chat_template",

@@ -198,10 +198,9 @@ class EngineCoreLoop:
     def run(self) -> None:
         while True:
             busy = self.engine.has_unfinished_requests()
-            if self.poller.poll(0 if busy else self.cfg.idle_poll_ms):
-                if not self._drain_input():
-                    return
-            elif not busy and os.getppid() != self.parent_pid:
+            if self.poller.poll(0 if busy else self.cfg.idle_poll_ms) and not self._drain_input():
+                return
+            if os.getppid() != self.parent_pid:  # orphaned: nobody reads our outputs any more
                 logger.warning("the API server process is gone; engine rank %d exits", self.rank)
                 return
             outputs: list[EngineCoreOutput] = []

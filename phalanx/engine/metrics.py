@@ -97,6 +97,7 @@ class _RankCounters:
     spec_draft_tokens: int = 0
     spec_accepted: int = 0
     spec_per_pos: list[int] = field(default_factory=list)
+    preemptions: int = 0
 
 
 class ServingMetrics:
@@ -143,9 +144,7 @@ class ServingMetrics:
         self.prefix_hits = Counter(
             "phalanx:prefix_cache_hits", "Prefix-cache hits, in tokens.", e, registry=r
         )
-        self.num_preemptions = Gauge(
-            "phalanx:num_preemptions", "Cumulative preemptions (per engine rank).", e, registry=r
-        )
+        self.num_preemptions = Counter("phalanx:num_preemptions", "Preempted requests.", e, registry=r)
         self.spec_drafts = Counter("phalanx:spec_decode_num_drafts", "Speculative drafts.", e, registry=r)
         self.spec_draft_tokens = Counter(
             "phalanx:spec_decode_num_draft_tokens", "Speculative draft tokens.", e, registry=r
@@ -194,8 +193,8 @@ class ServingMetrics:
         self.num_running.labels(*labels).set(s.num_running)
         self.num_waiting.labels(*labels).set(s.num_waiting)
         self.kv_usage.labels(*labels).set(s.kv_cache_usage)
-        self.num_preemptions.labels(*labels).set(s.num_preemptions)
         last = self._last.setdefault(rank, _RankCounters())
+        _inc(self.num_preemptions.labels(*labels), s.num_preemptions - last.preemptions)
         _inc(self.prefix_queries.labels(*labels), s.prefix_cache_queries - last.prefix_queries)
         _inc(self.prefix_hits.labels(*labels), s.prefix_cache_hits - last.prefix_hits)
         _inc(self.spec_drafts.labels(*labels), s.spec_num_drafts - last.spec_drafts)
@@ -211,6 +210,7 @@ class ServingMetrics:
             s.spec_num_draft_tokens,
             s.spec_num_accepted_tokens,
             list(s.spec_accepted_per_pos),
+            s.num_preemptions,
         )
 
     def render(self) -> bytes:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -168,6 +169,8 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
                 m, "phalanx:spec_decode_num_accepted_tokens_total"
             )
             wait_for(lambda: "mean acceptance length" in srv.log(), what="the speculative stats log line")
+            pool = ThreadPoolExecutor(1)
+            blocking = pool.submit(c.post, "/v1/completions", json={**LONG, "max_tokens": 250})
             with c.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
@@ -175,6 +178,9 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
                 os.kill(pids[1], signal.SIGKILL)
                 rest = list(lines)
                 assert time.monotonic() - t0 < 10
+            in_flight = blocking.result(timeout=10)  # the non-streaming request fails fast too
+            pool.shutdown()
+            assert in_flight.status_code == 503 and in_flight.json()["error"]["code"] == "engine_dead"
             assert any('"engine_dead"' in line for line in rest), rest[-3:]
             assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
             health = c.get("/health")
@@ -272,5 +278,7 @@ def test_demo_default_and_speculative_flag(tiny_model: Path, capsys, caplog) -> 
     assert code == 2 and "JSON" in out
     if has_spec:  # the engine's own validation of the speculative config reaches the user
         spec = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
-        code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1")
+        code, out = _cli(
+            capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1"
+        )
         assert code == 2 and "num_speculative_tokens" in out

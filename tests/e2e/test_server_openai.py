@@ -154,6 +154,16 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     elp = e.choices[0].logprobs
     assert len(elp.tokens) == n_prompt + 4
     assert elp.token_logprobs[0] is None and all(x is not None for x in elp.token_logprobs[1:])
+    # Streamed with echo: the same text, tokens and offsets, chunk by chunk.
+    text, tokens, offsets = "", [], []
+    for chunk in client.completions.create(
+        model=MODEL_NAME, prompt="hello world", max_tokens=4, logprobs=1, echo=True, stream=True, **GREEDY
+    ):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (text, tokens, offsets) == (e.choices[0].text, elp.tokens, elp.text_offset)
 
 
 def _printable_stop(text: str) -> tuple[str, str]:

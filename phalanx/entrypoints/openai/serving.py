@@ -239,12 +239,12 @@ class OpenAIServing:
                 {
                     "token": token,
                     "logprob": _finite(chosen.logprob if chosen else float("-inf")),
-                    "bytes": list(token.encode("utf-8")),
+                    "bytes": _token_bytes(token),
                     "top_logprobs": [
                         {
                             "token": (t := self._token_text(tid, lp)),
                             "logprob": _finite(lp.logprob),
-                            "bytes": list(t.encode("utf-8")),
+                            "bytes": _token_bytes(t),
                         }
                         for tid, lp in top
                     ],
@@ -281,7 +281,7 @@ class OpenAIServing:
                 choice: dict[str, Any] = {
                     "index": pi * req.n + c.index,
                     "text": prefix + c.text,
-                    "logprobs": self._completion_logprobs(p, final, c, req.echo)
+                    "logprobs": self._completion_logprobs(p, final, c, req.echo)[0]
                     if req.logprobs is not None
                     else None,
                     "finish_reason": c.finish_reason,
@@ -315,6 +315,7 @@ class OpenAIServing:
         sent_chars = [0] * total
         sent_tokens = [0] * total
         started = [False] * total
+        next_offset = [0] * total  # text_offset of the next token (sum of the token strings sent)
         done = [False] * total
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
@@ -339,8 +340,8 @@ class OpenAIServing:
                         continue  # nothing to show yet (e.g. half a UTF-8 character held back)
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = self._completion_logprobs(
-                            p, out, c, req.echo and start_token == 0, start_token
+                        logprobs, next_offset[i] = self._completion_logprobs(
+                            p, out, c, req.echo and start_token == 0, start_token, next_offset[i]
                         )
                     choice: dict[str, Any] = {
                         "index": i,
@@ -373,16 +374,23 @@ class OpenAIServing:
         return self.tokenizer.decode(p.token_ids) if self.tokenizer is not None else ""
 
     def _completion_logprobs(
-        self, p: _Prompt, out: RequestOutput, c: CompletionOutput, echo: bool, start: int = 0
-    ) -> dict[str, Any]:
-        """OpenAI legacy format: tokens, token_logprobs, top_logprobs, text_offset."""
+        self,
+        p: _Prompt,
+        out: RequestOutput,
+        c: CompletionOutput,
+        echo: bool,
+        start: int = 0,
+        offset: int = 0,
+    ) -> tuple[dict[str, Any], int]:
+        """OpenAI legacy format (tokens, token_logprobs, top_logprobs, text_offset) for the prompt
+        (echo) and output tokens [start:], plus the offset after the last one. Offsets add up the token
+        strings' lengths, as vLLM does, so streamed and whole responses agree."""
         entries: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo:
             prompt_lps = out.prompt_logprobs or [None] * len(p.token_ids)
             entries.extend(zip(p.token_ids, prompt_lps))
         entries.extend(zip(c.token_ids[start:], (c.logprobs or [])[start:]))
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        offset = 0 if echo or start == 0 else len(c.text)  # approximate for stream deltas
         for token_id, entry in entries:
             chosen = entry.get(token_id) if entry else None
             token = self._token_text(token_id, chosen)
@@ -395,15 +403,28 @@ class OpenAIServing:
             )
             offsets.append(offset)
             offset += len(token)
-        return {
+        logprobs = {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
+        return logprobs, offset
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _token_bytes(token: str) -> list[int]:
+    """The token's UTF-8 bytes; a partial character shown as "bytes:\\xe4\\xbd" gives its raw bytes."""
+    if token.startswith("bytes:"):
+        hex_digits = token[len("bytes:") :].split("\\x")[1:]
+        if hex_digits and all(len(h) == 2 for h in hex_digits):
+            try:
+                return [int(h, 16) for h in hex_digits]
+            except ValueError:
+                pass
+    return list(token.encode("utf-8"))
 
 
 def _finite(x: float) -> float:

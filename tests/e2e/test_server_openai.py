@@ -46,8 +46,10 @@ def test_chat_completion(client: openai.OpenAI) -> None:
 
 def test_chat_default_max_tokens_is_context_length(client: openai.OpenAI, server: ServerProcess) -> None:
     """Without max_tokens a chat request may run to the end of the context (256 here)."""
-    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, **GREEDY)
+    long_msgs = [{"role": "user", "content": "one two three four " * 12}]  # leaves a short tail to generate
+    r = client.chat.completions.create(model=MODEL_NAME, messages=long_msgs, **GREEDY)
     assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens > 100
     assert r.usage.total_tokens == 256
 
 

@@ -20,6 +20,15 @@ DEMO_SPECULATIVE_CONFIG = {"method": "eagle", "model": "phalanx-math-eagle", "nu
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the default is None or the help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -40,7 +49,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
             f"process(es). Without MODEL, serves the built-in demo {DEMO_MODEL!r} with speculative config "
             f"{json.dumps(DEMO_SPECULATIVE_CONFIG)}."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "model",

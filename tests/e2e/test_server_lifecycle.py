@@ -71,7 +71,11 @@ def test_stream_disconnect_frees_blocks(server: ServerProcess) -> None:
 
 
 def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
+    """A client that gives up on a non-streaming request aborts it too (not run to completion)."""
     url = server.base_url
+    abort_key = ("phalanx:request_success_total", (("finished_reason", "abort"),))
+    aborts_before = metrics(url).get(abort_key, 0.0)
+    generated_before = gauge_sum(metrics(url), "phalanx:generation_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240}, headers=AUTH, timeout=1.0)
     wait_for(
@@ -81,6 +85,9 @@ def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
         ),
         what="the aborted request's blocks to be freed",
     )
+    m = metrics(url)
+    assert m[abort_key] == aborts_before + 1
+    assert gauge_sum(m, "phalanx:generation_tokens_total") - generated_before < 240
 
 
 def test_metrics_names(server: ServerProcess) -> None:

@@ -1,4 +1,4 @@
-"""The `phalanx` command: `phalanx serve [MODEL] [flags]` (and a `bench` slot).
+"""The `phalanx` command: `phalanx serve [MODEL] [flags]` and `phalanx bench ...` (``phalanx.bench``).
 
 Owns: flag names and help (vLLM's names, so commands carry over), turning flags into a
 `ServeConfig`, the built-in demo default (no MODEL: serve `phalanx-math` with its EAGLE drafter),
@@ -132,11 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
-    sub.add_parser(
-        "bench",
-        help="serving / offline benchmarks (not implemented yet)",
-        description="Benchmarks (not implemented yet).",
-    )
+    try:
+        from phalanx.bench.cli import add_bench_subparser
+    except ImportError:  # the bench package is optional
+        sub.add_parser("bench", help="benchmarks (not available in this install)")
+    else:
+        add_bench_subparser(sub)
     return parser
 
 
@@ -218,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "bench":
-        print("phalanx bench: not implemented yet", file=sys.stderr)
-        return 2
+        try:
+            from phalanx.bench.cli import run_bench
+        except ImportError:
+            print("phalanx bench: the benchmark package is not available in this install", file=sys.stderr)
+            return 2
+        return run_bench(args)
     parser.print_help()
     return 0
 

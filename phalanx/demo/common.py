@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from phalanx.demo import MODELS_DIR
-from phalanx.demo.tokenizer import ASSISTANT, END, prompt_text
+from phalanx.demo.tokenizer import END, prompt_text
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / "build" / "demo"          # regenerated data, tokenizer, intermediate files

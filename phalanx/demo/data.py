@@ -18,8 +18,8 @@ import json
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 NAMES = [
     ("Tom", "he", "his"), ("Anna", "she", "her"), ("Ben", "he", "his"), ("Lily", "she", "her"),

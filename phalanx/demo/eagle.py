@@ -35,7 +35,6 @@ with token CE.
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import time
@@ -340,7 +339,7 @@ def target_features(target, ids: torch.Tensor, att: torch.Tensor, aux_ids: list[
     """(final hidden after norm [B,T,H], concat of aux layers [B,T,3H])."""
     out = target.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
     hs = out.hidden_states
-    aux = torch.cat([hs[i] for i in aux_ids], dim=-1)
+    aux = torch.cat([hs[i] for i in aux_ids], dim=-1) if aux_ids else None
     return out.last_hidden_state, aux
 
 
@@ -352,19 +351,29 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- training
-def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int = 6000, batch: int = 32,
+def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
           passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512) -> dict:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from phalanx.demo.common import IMG_DIR, TOK_DIR, WORK_DIR, Timer, collate, load_tokenizer, plot_curves, setup, smooth
+    from phalanx.demo.common import (
+        IMG_DIR,
+        TOK_DIR,
+        WORK_DIR,
+        Timer,
+        collate,
+        load_tokenizer,
+        plot_curves,
+        setup,
+        smooth,
+    )
     from phalanx.demo.tokenizer import prompt_text
-    from phalanx.demo.train import distill_rows
+    from phalanx.demo.train import N_DISTILL, distill_rows
 
     eagle3 = kind == "eagle3"
     name = "phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle"
-    steps = steps or 900
-    rows = distill_rows(seed, n_seqs)
+    steps = steps or 700
+    rows = distill_rows(seed, n_seqs or N_DISTILL)
     setup(seed)
     tok = load_tokenizer()
     target = AutoModelForCausalLM.from_pretrained(MODELS_DIR / TARGET, dtype=torch.float32).eval()

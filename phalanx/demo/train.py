@@ -18,15 +18,28 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from phalanx.demo import MODELS_DIR
 from phalanx.demo.common import (
-    DATA_DIR, IMG_DIR, WORK_DIR, Timer, collate, encode_example, length_batches, load_rows, load_tokenizer, lr_at,
-    plot_curves, save_hf, setup, smooth,
+    DATA_DIR,
+    IMG_DIR,
+    WORK_DIR,
+    Timer,
+    collate,
+    encode_example,
+    length_batches,
+    load_rows,
+    load_tokenizer,
+    lr_at,
+    plot_curves,
+    save_hf,
+    setup,
+    smooth,
 )
+
+N_DISTILL = 5000  # train questions answered by the target (draft distillation, EAGLE training text)
 
 # name -> (architecture, config kwargs, training kwargs)
 SPECS = {
@@ -35,11 +48,11 @@ SPECS = {
                      dict(steps=2000, batch=32, lr=2e-3)),
     "phalanx-math-draft": ("llama", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1),
-                           dict(steps=2000, batch=32, lr=3e-3)),
+                           dict(steps=2500, batch=32, lr=3e-3)),
     "phalanx-math-moe": ("mixtral", dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          num_local_experts=4, num_experts_per_tok=2),
-                         dict(steps=700, batch=32, lr=2e-3)),
+                         dict(stages=[dict(steps=700, batch=32, lr=2e-3), dict(steps=600, batch=32, lr=1.5e-3)])),
     "phalanx-math-moe-draft": ("mixtral", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                                                num_attention_heads=2, num_key_value_heads=1,
                                                num_local_experts=4, num_experts_per_tok=2),
@@ -61,66 +74,102 @@ def make_model(arch: str, vocab: int, tok, **kw):
     return MixtralForCausalLM(cfg)
 
 
-def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, note: str = "") -> dict:
-    """Train one causal LM from SPECS[name] on chat-formatted rows (loss on the answer)."""
+def _stages(tr: dict) -> list[dict]:
+    return tr.get("stages") or [dict(steps=tr["steps"], lr=tr["lr"], batch=tr["batch"])]
+
+
+def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, note: str = "",
+             resume_stage: int = 0) -> dict:
+    """Train one causal LM from SPECS[name] on chat-formatted rows (loss on the answer).
+
+    Training runs in stages (``SPECS[name][2]["stages"]``); each stage starts from the
+    previous stage's weights rounded to bfloat16 (exactly what ``save_pretrained`` stores),
+    with a fresh AdamW, its own warm-up + cosine schedule and its own data-order seed, so a
+    stage can be resumed from the saved folder (``--resume-stage``) with the same result.
+    """
     from tqdm import tqdm
 
     from phalanx.demo.evaluate import accuracy
 
     arch, cfg_kw, tr = SPECS[name]
-    steps = steps or tr["steps"]
+    stages = _stages(tr)
+    if steps:
+        stages = [dict(stages[0], steps=steps)]
     setup(seed)
     tok = load_tokenizer()
     model = make_model(arch, len(tok), tok, **cfg_kw)
+    out_dir = MODELS_DIR / name
+    curve_file = WORK_DIR / "results" / f"{name}-curve.json"
+    train_pts, val_pts, train_time = [], [], 0.0
+    if resume_stage:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+        prev = json.loads(curve_file.read_text())
+        train_pts, val_pts, train_time = [tuple(x) for x in prev["train"]], [tuple(x) for x in prev["val"]], prev["time"]
     nparams = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {arch}, {nparams / 1e6:.2f}M parameters, {steps} steps x batch {tr['batch']} {note}", flush=True)
+    print(f"{name}: {arch}, {nparams / 1e6:.2f}M parameters, stages {stages} {note}", flush=True)
 
     enc = [encode_example(tok, r["question"], r["answer"]) for r in rows]
     lengths = [len(e[0]) for e in enc]
     val = load_rows("validation")
     venc = [encode_example(tok, r["question"], r["answer"]) for r in val[:256]]
     vids, vatt, vlab = collate([e[0] for e in venc], [e[1] for e in venc], tok.pad_token_id)
-
-    rng = random.Random(seed)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tr["lr"], betas=(0.9, 0.95))
     if arch == "mixtral":
         model.config.output_router_logits = True
-    train_pts, val_pts = [], []
-    batches: list[list[int]] = []
-    t0 = time.time()
-    model.train()
-    bar = tqdm(range(steps), desc=name, mininterval=5)
-    for step in bar:
-        if not batches:
-            batches = length_batches(lengths, tr["batch"], rng)
-        b = batches.pop()
-        ids, att, lab = collate([enc[i][0] for i in b], [enc[i][1] for i in b], tok.pad_token_id)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, tr["lr"], warmup=min(100, steps // 10))
-        out = model(input_ids=ids, attention_mask=att, labels=lab)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        train_pts.append((step, out.loss.item()))
-        bar.set_postfix(loss=f"{out.loss.item():.3f}")
-        if (step + 1) % 200 == 0 or step + 1 == steps:
-            model.eval()
+
+    offset = sum(st["steps"] for st in stages[:resume_stage])
+    for si in range(resume_stage, len(stages)):
+        st = stages[si]
+        if si > 0:
             with torch.no_grad():
-                vl = model(input_ids=vids, attention_mask=vatt, labels=vlab).loss.item()
-            model.train()
-            val_pts.append((step, vl))
-            print(f"\nstep {step + 1}: train {sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]):.4f} "
-                  f"val {vl:.4f} ({time.time() - t0:.0f}s)", flush=True)
-    train_time = time.time() - t0
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+        rng = random.Random(seed * 1000 + si)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=st["lr"], betas=(0.9, 0.95))
+        batches: list[list[int]] = []
+        t0 = time.time()
+        model.train()
+        bar = tqdm(range(st["steps"]), desc=f"{name} stage {si}", mininterval=5)
+        for step in bar:
+            if not batches:
+                batches = length_batches(lengths, st["batch"], rng)
+            b = batches.pop()
+            ids, att, lab = collate([enc[i][0] for i in b], [enc[i][1] for i in b], tok.pad_token_id)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, st["steps"], st["lr"], warmup=min(100, st["steps"] // 10))
+            out = model(input_ids=ids, attention_mask=att, labels=lab)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            train_pts.append((offset + step, out.loss.item()))
+            bar.set_postfix(loss=f"{out.loss.item():.3f}")
+            if (step + 1) % 200 == 0 or step + 1 == st["steps"]:
+                model.eval()
+                with torch.no_grad():
+                    vl = model(input_ids=vids, attention_mask=vatt, labels=vlab).loss.item()
+                model.train()
+                val_pts.append((offset + step, vl))
+                print(f"\nstep {offset + step + 1}: train {sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]):.4f} "
+                      f"val {vl:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        train_time += time.time() - t0
+        offset += st["steps"]
+        if arch == "mixtral":
+            model.config.output_router_logits = False
+        model.eval()
+        save_hf(model, tok, out_dir, tok.eos_token_id)     # casts to bf16
+        model = model.float()
+        if arch == "mixtral":
+            model.config.output_router_logits = True
+        curve_file.parent.mkdir(parents=True, exist_ok=True)
+        curve_file.write_text(json.dumps({"train": train_pts, "val": val_pts, "time": train_time}))
+        print(f"stage {si} saved ({train_time:.0f}s training so far)", flush=True)
     if arch == "mixtral":
         model.config.output_router_logits = False
-    model.eval()
-    out_dir = MODELS_DIR / name
-    save_hf(model, tok, out_dir, tok.eos_token_id)
     plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
                 f"{name} ({nparams / 1e6:.1f}M params)")
     # accuracy of the saved (bf16) weights, computed in fp32
@@ -129,7 +178,7 @@ def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, n
     saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     with Timer(f"{name} validation accuracy"):
         acc, _ = accuracy(saved, tok, val, desc="val-acc")
-    res = {"name": name, "params": nparams, "steps": steps, "batch": tr["batch"], "train_time_s": round(train_time),
+    res = {"name": name, "params": nparams, "stages": stages, "train_time_s": round(train_time),
            "final_train_loss": sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]),
            "final_val_loss": val_pts[-1][1], "val_accuracy": acc, "seed": seed}
     print(json.dumps(res), flush=True)
@@ -167,17 +216,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["target", "draft", "eagle", "eagle3", "moe", "moe-draft"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="override: one stage of this many steps")
+    ap.add_argument("--resume-stage", type=int, default=0,
+                    help="continue from the saved folder with this stage (target / moe)")
     a = ap.parse_args(argv)
     if not (DATA_DIR / "train.jsonl").exists():
         raise SystemExit("no data: run `python -m phalanx.demo.build_all --only data` first")
     t0 = time.time()
     if a.what == "target":
-        train_lm("phalanx-math", a.seed, load_rows("train"), a.steps)
+        train_lm("phalanx-math", a.seed, load_rows("train"), a.steps, resume_stage=a.resume_stage)
     elif a.what == "moe":
-        train_lm("phalanx-math-moe", a.seed, load_rows("train"), a.steps)
+        train_lm("phalanx-math-moe", a.seed, load_rows("train"), a.steps, resume_stage=a.resume_stage)
     elif a.what == "draft":
-        train_lm("phalanx-math-draft", a.seed, distill_rows(a.seed, 64000), a.steps, note="(distilled)")
+        # trained on the data (same distribution as the target's); see distill_rows for distillation
+        train_lm("phalanx-math-draft", a.seed, load_rows("train"), a.steps)
     elif a.what == "moe-draft":
         train_lm("phalanx-math-moe-draft", a.seed, load_rows("train"), a.steps)
     else:

@@ -257,8 +257,20 @@ class SchedulerConfig:
 class ParallelConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # MoE experts sharded across the DP ranks (ranks then run in lockstep).
+    enable_expert_parallel: bool = False
+    # Force lockstep for dense models too (testing the protocol, uniform step timing).
+    dp_lockstep: bool = False
+    dp_timeout_s: float = 60.0  # any collective waiting longer is a DPError
+    check_collectives: bool = False  # debug: compare every collective's fingerprint across ranks
+
+    def lockstep(self, model_is_moe: bool) -> bool:
+        """Whether the ranks must run every forward together (DESIGN §5)."""
+        return self.data_parallel_size > 1 and (self.dp_lockstep or (self.enable_expert_parallel and model_is_moe))
 
     def __post_init__(self) -> None:
+        if not self.dp_timeout_s > 0:
+            raise ValueError(f"dp_timeout must be > 0 seconds, got {self.dp_timeout_s!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:

@@ -11,6 +11,8 @@ Requests with short queries (decodes, draft verification, short chunks) form the
 one padded [num_dec, max_q] query grid over their gathered blocks, one SDPA call for all of them.
 Longer queries (prefill chunks) form the *prefill group*: one SDPA call each, no padding to the
 longest request.
+Padding (data-parallel lockstep pads every rank to the agreed batch size): `num_pad` extra tokens
+follow the real ones as one pseudo-request that attends only to itself and writes no KV.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    num_tokens: int
+    num_tokens: int  # real + padding
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64, where each token's K/V is written
+    slot_mapping: torch.Tensor  # [T_real] int64, where each real token's K/V is written
     # decode group (None when empty)
     dec_token_idx: torch.Tensor | None = None  # [Bd, Qd] int64 into the flat batch (padded with 0)
     dec_valid: torch.Tensor | None = None  # [Bd, Qd] bool
@@ -49,6 +51,7 @@ def build_attention_metadata(
     num_computed: torch.Tensor,  # [R] int64 tokens already cached per request
     block_table: torch.Tensor,  # [R, max_blocks] int64 (rows padded with 0)
     block_size: int,
+    num_pad: int = 0,
 ) -> AttentionMetadata:
     num_reqs = q_lens.shape[0]
     total = int(q_lens.sum())
@@ -57,7 +60,9 @@ def build_attention_metadata(
     # [a0 a1 | b5 | c8 c9 c10] -> positions [0, 1, 5, 8, 9, 10]
     positions = torch.arange(total) - starts[req_of_token] + num_computed[req_of_token]
     slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(num_tokens=total, positions=positions, slot_mapping=slot_mapping)
+    if num_pad:
+        positions = torch.cat([positions, torch.arange(num_pad)])
+    meta = AttentionMetadata(num_tokens=total + num_pad, positions=positions, slot_mapping=slot_mapping)
 
     is_dec = q_lens <= DECODE_GROUP_MAX_QUERY
     dec_rows = torch.nonzero(is_dec).flatten()
@@ -74,10 +79,12 @@ def build_attention_metadata(
         key_pos = torch.arange(num_blocks * block_size)
         meta.dec_mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
     pre_rows = torch.nonzero(~is_dec).flatten().tolist()
+    meta.prefills = []
     if pre_rows:
-        meta.prefills = []
         for r in pre_rows:
             start, q, nc = int(starts[r]), int(q_lens[r]), int(num_computed[r])
             nb = (nc + q + block_size - 1) // block_size
             meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
+    if num_pad:
+        meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
     return meta

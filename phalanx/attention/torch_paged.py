@@ -26,8 +26,9 @@ def paged_attention(
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     flat_k = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    num_real = meta.slot_mapping.shape[0]  # padding tokens (lockstep) write nothing
+    flat_k.index_copy_(0, meta.slot_mapping, k[:num_real])
+    flat_v.index_copy_(0, meta.slot_mapping, v[:num_real])
     out = torch.empty_like(q)
 
     if meta.dec_token_idx is not None:

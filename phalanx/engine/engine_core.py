@@ -13,8 +13,10 @@ import time
 import msgspec
 
 from phalanx.config import EngineConfig
-from phalanx.core.outputs import EngineCoreOutput, SchedulerStats
+from phalanx.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from phalanx.core.scheduler import Scheduler
+from phalanx.distributed.group import DPGroup
+from phalanx.distributed.vote import StepPlan, decide, local_row
 from phalanx.request import Request
 from phalanx.sampling_params import SamplingParams
 from phalanx.worker.model_runner import ModelRunner
@@ -29,9 +31,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, group: DPGroup | None = None) -> None:
         self.cfg = cfg
-        self.runner = ModelRunner(cfg)
+        self.group = group
+        self.lockstep = cfg.parallel.lockstep(cfg.model.is_moe)
+        if self.lockstep and group is None:
+            raise ValueError("lockstep data parallelism needs the data-parallel group")
+        self.runner = ModelRunner(cfg, group)
         spec = cfg.speculative
         self.scheduler = Scheduler(
             cfg.scheduler,
@@ -84,6 +90,51 @@ class EngineCore:
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
+
+    # ---- data-parallel lockstep (DESIGN §5) ------------------------------------------------
+    def step_lockstep(
+        self, shutdown: bool = False, expecting_work: bool = False
+    ) -> tuple[list[EngineCoreOutput], StepPlan]:
+        """One lockstep iteration: schedule locally, vote (the iteration's one agreement
+        collective), then run exactly what the plan says — a padded real step, a padded dummy
+        step when this rank has nothing, or nothing at all. Every rank calls this every iteration,
+        idle or not (rule 6)."""
+        assert self.group is not None
+        sched = self.scheduler.schedule()
+        row = local_row(
+            has_work=self.has_unfinished_requests() or expecting_work,
+            num_tokens=sched.total_num_scheduled_tokens,
+            num_reqs=len(sched.num_scheduled_tokens),
+            num_sampling=self._num_sampling(sched),
+            shutdown=shutdown,
+            step=self.group.step,
+        )
+        table = self.group.vote(row)
+        spec = self.cfg.speculative
+        plan = decide(
+            table,
+            spec.num_speculative_tokens if spec is not None else 0,
+            drafter_runs_passes=self.runner.num_lookahead_slots > 0,
+        )
+        self.group.step += 1
+        if plan.shutdown or not plan.run_forward:
+            # Nothing scheduled anywhere; the runner still drops finished requests' state.
+            self.runner.execute(sched, plan)
+            return [], plan
+        result = self.runner.execute(sched, plan)
+        outputs = self.scheduler.update_from_output(sched, result)
+        self.num_steps += 1
+        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs, plan
+
+    def _num_sampling(self, sched: SchedulerOutput) -> int:
+        """Requests whose scheduled tokens reach their end this step (they will get drafts)."""
+        count = 0
+        for req_id, n in sched.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
+            count += req.num_computed_tokens + n - drafts == req.num_tokens
+        return count
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

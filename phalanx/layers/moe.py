@@ -52,6 +52,13 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.exchange: ExpertExchange | None = None
 
+    def shard(self, first: int, last: int) -> None:
+        """Keep only experts [first, last) (expert parallelism); call before loading weights."""
+        self.expert_range = (first, last)
+        n = last - first
+        self.w13 = nn.Parameter(torch.empty(n, *self.w13.shape[1:], dtype=self.w13.dtype))
+        self.w2 = nn.Parameter(torch.empty(n, *self.w2.shape[1:], dtype=self.w2.dtype))
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x [T, H] -> top_ids [T, k] int64, top_weights [T, k] float32
         probs = torch.softmax(self.gate(x).float(), dim=-1)

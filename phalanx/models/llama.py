@@ -141,6 +141,12 @@ class CausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter ({name!r})")
             param = params[name]
+            if shard is not None and ":" in shard:  # one expert of a stacked tensor
+                expert, half = shard.split(":")
+                first, last = self.get_submodule(name.rsplit(".", 1)[0]).expert_range
+                if not first <= int(expert) < last:
+                    continue  # another rank's expert (expert parallelism)
+                shard = f"{int(expert) - first}:{half}"
             with torch.no_grad():
                 _copy_shard(param, shard, tensor, self.config, hf_name)
             loaded.add(name if shard is None else f"{name}#{shard}")

@@ -17,7 +17,8 @@ from phalanx.models.loader import iterate_weights
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
 
 
-def load_model(cfg: ModelConfig) -> CausalLM:
+def load_model(cfg: ModelConfig, expert_shard: tuple[int, int] | None = None) -> CausalLM:
+    """Build and load a model. `expert_shard` = (rank, size): keep only this rank's experts."""
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"architecture {cfg.architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
@@ -27,6 +28,18 @@ def load_model(cfg: ModelConfig) -> CausalLM:
         model = cls(cfg)
     finally:
         torch.set_default_dtype(old)
+    if expert_shard is not None:
+        from phalanx.distributed.expert_parallel import expert_range
+        from phalanx.layers.moe import SparseMoE
+
+        rank, size = expert_shard
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                if module.num_experts < size:
+                    raise ValueError(
+                        f"expert parallelism over {size} ranks needs >= {size} experts, the model has {module.num_experts}"
+                    )
+                module.shard(*expert_range(module.num_experts, rank, size))
     model.load_weights(iterate_weights(cfg.path))  # type: ignore[attr-defined]
     model.eval()
     return model  # type: ignore[return-value]

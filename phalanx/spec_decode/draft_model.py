@@ -16,31 +16,20 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.attention.metadata import build_attention_metadata
 from phalanx.config import ModelConfig
+from phalanx.distributed.expert_parallel import install_expert_parallel
+from phalanx.distributed.group import DPGroup
 from phalanx.models.llama import CausalLM
 from phalanx.models.registry import load_model
 from phalanx.spec_decode.config import SpeculativeConfig
-from phalanx.spec_decode.proposer import ProposeBatch, drafter_room
-
-
-def run_pass(
-    forward,  # noqa: ANN001 - callable(input_ids, meta) -> hidden rows [T, H]
-    feeds: list[tuple[int, list[int], int]],  # (batch row, input token ids, first position)
-    block_table: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, list[int]]:
-    """One drafter forward over the given feeds; returns hidden [T, H] and each feed's last row."""
-    if not feeds:
-        return torch.empty(0), []
-    rows = torch.tensor([f[0] for f in feeds])
-    q_lens = torch.tensor([len(f[1]) for f in feeds])
-    starts = torch.tensor([f[2] for f in feeds])
-    meta = build_attention_metadata(q_lens, starts, block_table[rows], block_size)
-    ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
-    hidden = forward(ids, meta)
-    last_rows = (torch.cumsum(q_lens, 0) - 1).tolist()
-    return hidden, last_rows
+from phalanx.spec_decode.proposer import (
+    DrafterPass,
+    ProposeBatch,
+    drafter_pass,
+    drafter_room,
+    num_passes,
+    pass_size,
+)
 
 
 class DraftModelProposer:
@@ -59,6 +48,11 @@ class DraftModelProposer:
         self.block_size = 16
         self._computed: dict[str, int] = {}
 
+    def enable_expert_parallel(self, expert_shard: tuple[int, int], group: DPGroup) -> None:
+        """Reload the MoE draft with only this rank's experts, exchanging tokens like the target."""
+        self.model = load_model(self.config, expert_shard)
+        install_expert_parallel(self.model, group)
+
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         return [(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
 
@@ -72,15 +66,18 @@ class DraftModelProposer:
     def finish_request(self, req_id: str) -> None:
         self._computed.pop(req_id, None)
 
-    def _forward(self, ids: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
-        hidden, _ = self.model(ids, self.kv_caches, meta)
+    def _run(self, p: DrafterPass) -> torch.Tensor:  # -> hidden [T_real + pad, H]
+        hidden, _ = self.model(p.input_ids, self.kv_caches, p.meta)
         return hidden
+
+    def _greedy(self, hidden: torch.Tensor) -> list[int]:
+        return self.model.compute_logits(hidden).argmax(-1).tolist() if hidden.shape[0] else []
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         feeds: list[tuple[int, list[int], int]] = []
-        drafting: list[int] = []  # batch rows that get drafts
+        drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
             tokens = batch.token_ids[i]
             if len(tokens) + k > self.room:
@@ -92,22 +89,23 @@ class DraftModelProposer:
                 self._computed[req_id] = upto
                 if batch.sampled[i]:
                     drafting.append(len(feeds) - 1)
-        hidden, last_rows = run_pass(self._forward, feeds, batch.block_table, self.block_size)
-        feeds = [feeds[f] for f in drafting]
-        if feeds:
-            tokens_j = self.model.compute_logits(hidden[[last_rows[f] for f in drafting]]).argmax(-1).tolist()
-        for j in range(1, k + 1):
-            if not feeds:
-                # Nothing to draft: later passes still run (empty), keeping the pass count fixed.
-                continue
-            for (row, _, _), tok in zip(feeds, tokens_j):
+        passes = num_passes(batch, k, bool(drafting))
+        if passes == 0:
+            return drafts
+        # Pass 1: catch up; each drafting request's last position drafts token 1.
+        p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
+        with batch.pass_context(1):
+            hidden = self._run(p)
+        rows = [feeds[f][0] for f in drafting]
+        tokens_j = self._greedy(hidden[[p.last_rows[f] for f in drafting]])
+        # Passes 2..: feed draft j-1 at the next position, draft token j.
+        for j in range(1, passes):
+            for row, tok in zip(rows, tokens_j):
                 drafts[row].append(tok)
-            if j == k:
-                break
-            next_feeds = [
-                (row, [tok], len(batch.token_ids[row]) + j - 1) for (row, _, _), tok in zip(feeds, tokens_j)
-            ]
-            hidden, last_rows = run_pass(self._forward, next_feeds, batch.block_table, self.block_size)
-            tokens_j = self.model.compute_logits(hidden).argmax(-1).tolist()
-            feeds = next_feeds
+            step_feeds = [(row, [tok], len(batch.token_ids[row]) + j - 1) for row, tok in zip(rows, tokens_j)]
+            p = drafter_pass(step_feeds, batch.block_table, self.block_size, pass_size(batch, j))
+            with batch.pass_context(j + 1):
+                tokens_j = self._greedy(self._run(p)[: len(step_feeds)])
+        for row, tok in zip(rows, tokens_j):
+            drafts[row].append(tok)
         return drafts

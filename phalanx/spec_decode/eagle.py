@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.attention.metadata import build_attention_metadata
 from phalanx.config import ModelConfig
 from phalanx.models.eagle import Eagle3Head, load_eagle_head
 from phalanx.models.llama import CausalLM
 from phalanx.spec_decode.config import SpeculativeConfig
-from phalanx.spec_decode.proposer import ProposeBatch, drafter_room
+from phalanx.spec_decode.proposer import (
+    DrafterPass,
+    ProposeBatch,
+    drafter_pass,
+    drafter_room,
+    num_passes,
+    pass_size,
+)
 
 
 class EagleProposer:
@@ -52,56 +58,60 @@ class EagleProposer:
     def finish_request(self, req_id: str) -> None:
         pass
 
-    def _run(
-        self, rows: list[int], ids: list[list[int]], starts: list[int], hidden: torch.Tensor, block_table: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        q_lens = torch.tensor([len(x) for x in ids])
-        meta = build_attention_metadata(q_lens, torch.tensor(starts), block_table[torch.tensor(rows)], self.block_size)
-        flat = torch.tensor([t for x in ids for t in x], dtype=torch.int64)
-        for_logits, feed = self.head(flat, hidden, self.kv_caches, meta)
-        return for_logits, feed, (torch.cumsum(q_lens, 0) - 1).tolist()
+    def _run(self, p: DrafterPass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if p.num_pad:  # padding rows carry zero features
+            hidden = torch.cat([hidden, hidden.new_zeros(p.num_pad, hidden.shape[1])])
+        return self.head(p.input_ids, hidden, self.kv_caches, p.meta)
+
+    def _greedy(self, hidden: torch.Tensor) -> list[int]:
+        return self.head.draft_token_ids(hidden).tolist() if hidden.shape[0] else []
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         assert batch.target_hidden is not None
         k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        rows, ids, starts, hidden_rows, drafting = [], [], [], [], []
+        feeds: list[tuple[int, list[int], int]] = []
+        hidden_rows: list[int] = []
+        drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i in range(len(batch.req_ids)):
             nc, nv = batch.num_computed[i], batch.num_valid[i]
-            tokens = batch.token_ids[i]
             if nv == 0 or nc + nv + k > self.room:
                 continue
-            # position t consumes token t + 1: [nc, nc + nv) -> tokens [nc + 1, nc + nv + 1)
-            rows.append(i)
-            ids.append(tokens[nc + 1 : nc + nv + 1])
-            starts.append(nc)
+            # position t consumes token t + 1: positions [nc, nc + nv) <- tokens [nc + 1, nc + nv + 1)
+            feeds.append((i, batch.token_ids[i][nc + 1 : nc + nv + 1], nc))
             off = batch.token_offsets[i]
             hidden_rows.extend(range(off, off + nv))
             if batch.sampled[i]:
-                drafting.append(len(rows) - 1)
-        if not rows:
+                drafting.append(len(feeds) - 1)
+        passes = num_passes(batch, k, bool(drafting))
+        if passes == 0:
             return drafts
-        index = torch.tensor(hidden_rows)
+        index = torch.tensor(hidden_rows, dtype=torch.int64)
         if self.is_eagle3:
             assert isinstance(self.head, Eagle3Head)
             features = self.head.fuse([a[index] for a in batch.target_aux])
         else:
             features = batch.target_hidden[index]
-        for_logits, feed, last = self._run(rows, ids, starts, features, batch.block_table)
-        if not drafting:
-            return drafts
-        pick = torch.tensor([last[d] for d in drafting])
-        tokens_j = self.head.draft_token_ids(for_logits[pick]).tolist()
+        # Pass 1: the verified positions with the target's features; drafts token 1.
+        p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
+        with batch.pass_context(1):
+            for_logits, feed = self._run(p, features)
+        pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
+        tokens_j = self._greedy(for_logits[pick])
         feed = feed[pick]
-        d_rows = [rows[d] for d in drafting]
-        positions = [starts[d] + len(ids[d]) for d in drafting]  # next position after pass 1
-        for j in range(1, k + 1):
-            for row, tok in zip(d_rows, tokens_j):
+        rows = [feeds[f][0] for f in drafting]
+        next_pos = [feeds[f][2] + len(feeds[f][1]) for f in drafting]
+        # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
+        for j in range(1, passes):
+            for row, tok in zip(rows, tokens_j):
                 drafts[row].append(tok)
-            if j == k:
-                break
-            for_logits, feed, _ = self._run(
-                d_rows, [[t] for t in tokens_j], [p + j - 1 for p in positions], feed, batch.block_table
-            )
-            tokens_j = self.head.draft_token_ids(for_logits).tolist()
+            step_feeds = [(row, [tok], pos + j - 1) for row, tok, pos in zip(rows, tokens_j, next_pos)]
+            p = drafter_pass(step_feeds, batch.block_table, self.block_size, pass_size(batch, j))
+            with batch.pass_context(j + 1):
+                for_logits, feed = self._run(p, feed)
+            n = len(step_feeds)
+            tokens_j = self._greedy(for_logits[:n])
+            feed = feed[:n]
+        for row, tok in zip(rows, tokens_j):
+            drafts[row].append(tok)
         return drafts

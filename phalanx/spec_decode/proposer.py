@@ -19,12 +19,16 @@ data-parallel ranks in lockstep run the drafter together (DESIGN §5 rule 3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata
 from phalanx.config import ModelConfig
+from phalanx.distributed.group import DPGroup
 from phalanx.spec_decode.config import SpeculativeConfig
 
 
@@ -39,6 +43,11 @@ class ProposeBatch:
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
     target_aux: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3: [T, H] per aux layer
+    # Lockstep: the padded token count of each drafter pass, decided by the vote (the proposer runs
+    # exactly these passes, padding or even entirely dummy). None: run only the passes needed.
+    pass_sizes: tuple[int, ...] | None = None
+    # Wraps drafter pass j (labels the collectives it issues for the debug checker).
+    pass_context: Callable[[int], AbstractContextManager[None]] = lambda j: nullcontext()
 
 
 class Proposer(Protocol):
@@ -66,7 +75,14 @@ class Proposer(Protocol):
         ...
 
 
-def build_proposer(spec: SpeculativeConfig, target_model: torch.nn.Module, target_cfg: ModelConfig) -> Proposer:
+def build_proposer(
+    spec: SpeculativeConfig,
+    target_model: torch.nn.Module,
+    target_cfg: ModelConfig,
+    expert_shard: tuple[int, int] | None = None,
+    group: DPGroup | None = None,
+) -> Proposer:
+    """`expert_shard` / `group`: an MoE draft model joins the target's expert parallelism."""
     from phalanx.spec_decode.draft_model import DraftModelProposer
     from phalanx.spec_decode.eagle import EagleProposer
     from phalanx.spec_decode.ngram import NgramProposer
@@ -77,7 +93,51 @@ def build_proposer(spec: SpeculativeConfig, target_model: torch.nn.Module, targe
         "eagle": EagleProposer,
         "eagle3": EagleProposer,
     }
-    return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
+    proposer = registry[spec.method](spec, target_model, target_cfg)
+    if isinstance(proposer, DraftModelProposer) and proposer.config.is_moe and expert_shard is not None:
+        assert group is not None
+        proposer.enable_expert_parallel(expert_shard, group)
+    return proposer  # type: ignore[no-any-return]
+
+
+@dataclass
+class DrafterPass:
+    """The flat input of one drafter forward: real feeds, then padding up to the agreed size."""
+
+    input_ids: torch.Tensor  # [T_real + num_pad] int64
+    meta: AttentionMetadata
+    last_rows: list[int]  # per feed, the row of its last token
+    num_pad: int
+
+
+def drafter_pass(
+    feeds: list[tuple[int, list[int], int]],  # (batch row, input token ids, first position)
+    block_table: torch.Tensor,  # [R, max_blocks]
+    block_size: int,
+    pad_to: int | None,
+) -> DrafterPass:
+    q_lens = torch.tensor([len(f[1]) for f in feeds], dtype=torch.int64)
+    starts = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
+    rows = torch.tensor([f[0] for f in feeds], dtype=torch.int64)
+    num_real = int(q_lens.sum())
+    num_pad = 0 if pad_to is None else pad_to - num_real
+    if num_pad < 0:
+        raise RuntimeError(f"drafter pass has {num_real} tokens, more than the agreed {pad_to}")
+    meta = build_attention_metadata(q_lens, starts, block_table[rows], block_size, num_pad)
+    ids = [t for f in feeds for t in f[1]] + [0] * num_pad
+    last_rows = (torch.cumsum(q_lens, 0) - 1).tolist()
+    return DrafterPass(torch.tensor(ids, dtype=torch.int64), meta, last_rows, num_pad)
+
+
+def num_passes(batch: ProposeBatch, k: int, anyone_drafts: bool) -> int:
+    """Lockstep: exactly the voted passes. Alone: pass 1 always, the rest only if needed."""
+    if batch.pass_sizes is not None:
+        return len(batch.pass_sizes)
+    return k if anyone_drafts else 1
+
+
+def pass_size(batch: ProposeBatch, j: int) -> int | None:
+    return None if batch.pass_sizes is None else batch.pass_sizes[j]
 
 
 def drafter_room(spec: SpeculativeConfig, target_cfg: ModelConfig) -> int:

@@ -12,6 +12,7 @@ tensor op.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,9 @@ import torch
 from phalanx.attention.metadata import build_attention_metadata
 from phalanx.config import EngineConfig, ModelConfig
 from phalanx.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from phalanx.models.llama import CausalLM
+from phalanx.distributed.expert_parallel import install_expert_parallel
+from phalanx.distributed.group import DPGroup
+from phalanx.distributed.vote import StepPlan
 from phalanx.models.registry import load_model
 from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
@@ -77,13 +80,26 @@ def allocate_kv_caches(
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model: CausalLM | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, group: DPGroup | None = None) -> None:
         self.cfg = cfg
+        self.group = group
         self.block_size = cfg.cache.block_size
-        self.model = model if model is not None else load_model(cfg.model)
+        par = cfg.parallel
+        # Expert parallelism: this rank keeps its share of every MoE layer's experts and exchanges
+        # tokens with the other ranks (which is what forces lockstep).
+        self.expert_shard = (
+            (par.data_parallel_rank, par.data_parallel_size)
+            if par.enable_expert_parallel and par.data_parallel_size > 1
+            else None
+        )
+        if self.expert_shard is not None and group is None:
+            raise ValueError("expert parallelism needs the data-parallel group")
+        self.model = load_model(cfg.model, self.expert_shard if cfg.model.is_moe else None)
+        if group is not None and self.expert_shard is not None:
+            install_expert_parallel(self.model, group)
         self.proposer: Proposer | None = None
         if cfg.speculative is not None:
-            self.proposer = build_proposer(cfg.speculative, self.model, cfg.model)
+            self.proposer = build_proposer(cfg.speculative, self.model, cfg.model, self.expert_shard, group)
         target_specs = target_layer_specs(cfg.model)
         draft_specs = self.proposer.kv_cache_spec() if self.proposer is not None else []
         self.num_lookahead_slots = self.proposer.num_lookahead_slots if self.proposer is not None else 0
@@ -94,10 +110,19 @@ class ModelRunner:
                 allocate_kv_caches(draft_specs, self.num_blocks, self.block_size, cfg.model.dtype)
             )
         self.aux_layer_ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
+        # Test-only switch (never set in production): skip the drafter without the vote, which is
+        # exactly the seed's bug; the collective check must report it instead of hanging.
+        self.skip_drafter_for_test = False
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, RunnerRequestState] = {}
         self.num_tokens_run = 0  # tokens through the target forward, for tests and stats
+
+    def _context(self, label: str) -> AbstractContextManager[None]:
+        return self.group.context(label) if self.group is not None else nullcontext()
+
+    def _pass_context(self, j: int) -> AbstractContextManager[None]:
+        return self._context(f"drafter pass {j}")
 
     # ---- state diffs -----------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -133,17 +158,20 @@ class ModelRunner:
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, plan: StepPlan | None = None) -> ModelRunnerOutput:
+        """Run one step. With a lockstep `plan` the batch is padded to the agreed size (an empty
+        schedule becomes an all-padding dummy step through this same path) and the drafter runs
+        exactly the voted passes."""
         self._update_states(sched)
         req_ids = list(sched.num_scheduled_tokens)
-        if not req_ids:
+        if not req_ids and (plan is None or not plan.run_forward):
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         # One loop over the batch: gather each request's tokens, lengths and block table row.
         input_ids: list[int] = []
         q_lens: list[int] = []
         num_computed: list[int] = []
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
+        max_blocks = max((len(self.requests[r].block_ids) for r in req_ids), default=1)
         block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
         sampling: list[int] = []  # batch indices of requests that produce tokens this step
         drafts_of: list[list[int]] = []
@@ -172,20 +200,37 @@ class ModelRunner:
             offset += n
 
         self.num_tokens_run += len(input_ids)
+        num_pad = 0 if plan is None else plan.num_tokens - len(input_ids)
+        if num_pad < 0:
+            raise RuntimeError(f"batch of {len(input_ids)} tokens exceeds the agreed {plan.num_tokens}")
         meta = build_attention_metadata(
-            torch.tensor(q_lens), torch.tensor(num_computed), block_table, self.block_size
+            torch.tensor(q_lens, dtype=torch.int64),
+            torch.tensor(num_computed, dtype=torch.int64),
+            block_table,
+            self.block_size,
+            num_pad,
         )
-        hidden, aux = self.model(
-            torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids
-        )
+        input_ids.extend([0] * num_pad)
+        with self._context("target forward"):
+            hidden, aux = self.model(
+                torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids
+            )
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if sampling:
             self._sample(req_ids, sampling, drafts_of, hidden[torch.tensor(logit_rows)], out)
         if prompt_lp_reqs:
             self._prompt_logprobs(req_ids, q_lens, prompt_lp_reqs, hidden, out)
-        if self.proposer is not None:
-            out.spec_token_ids = self._propose(sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out)
+        # A model drafter runs exactly the voted passes; n-gram lookup issues no collectives.
+        model_drafter = self.num_lookahead_slots > 0
+        if self.proposer is not None and (plan is None or not model_drafter or plan.draft_pass_sizes):
+            pass_sizes = None if plan is None else plan.draft_pass_sizes
+            if self.skip_drafter_for_test:
+                pass  # test-only: reproduces the seed's bug (a rank skipping the drafter unvoted)
+            else:
+                out.spec_token_ids = self._propose(
+                    sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out, pass_sizes
+                )
         return out
 
     def _propose(
@@ -198,6 +243,7 @@ class ModelRunner:
         hidden: torch.Tensor,  # [T, H]
         aux: list[torch.Tensor],
         out: ModelRunnerOutput,
+        pass_sizes: tuple[int, ...] | None,
     ) -> list[list[int]]:
         assert self.proposer is not None
         offsets, num_valid, sampled = [], [], []
@@ -220,6 +266,8 @@ class ModelRunner:
             token_offsets=offsets,
             target_hidden=hidden if self.proposer.needs_target_hidden else None,
             target_aux=aux,
+            pass_sizes=pass_sizes,
+            pass_context=self._pass_context,
         )
         return self.proposer.propose(batch)
 

@@ -34,6 +34,10 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact KV block count (tests); overrides kv_cache_space
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dp_lockstep: bool = False
+    dp_timeout: float = 60.0
+    dp_check_collectives: bool = False
     speculative_config: dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -58,7 +62,13 @@ class EngineArgs:
                 max_num_batched_tokens=batched,
                 max_model_len=max_len,
             ),
-            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size),
+            parallel=ParallelConfig(
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+                dp_lockstep=self.dp_lockstep,
+                dp_timeout_s=self.dp_timeout,
+                check_collectives=self.dp_check_collectives,
+            ),
             seed=self.seed,
             speculative=spec,
         )

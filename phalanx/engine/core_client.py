@@ -50,7 +50,7 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class RankHandle:
     rank: int
-    process: Any  # multiprocessing.Process (spawn context)
+    process: Any  # multiprocessing.Process (spawn context); None for a rank on another node
     input_socket: zmq.asyncio.Socket
     ready: EngineReady | None = None
     num_unfinished: int = 0  # engine requests routed here and not finished yet
@@ -63,6 +63,57 @@ class EngineClientConfig:
     extra_eos_token_ids: list[int] = field(default_factory=list)
     log_level: str = "info"
     startup_timeout_s: float = 600.0
+    # Multi-node: this node runs ranks [start_rank, start_rank + size_local); the others connect
+    # from `phalanx serve --headless` nodes to `address`, on ports rpc_port (outputs),
+    # rpc_port + 1 + r (rank r's input) and rpc_port + 1 + dp (the DP group's rendezvous).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+
+
+@dataclass
+class RankAddresses:
+    output: str
+    inputs: list[str]
+    dist_init_method: str
+
+
+def rank_addresses(dp: int, address: str | None, rpc_port: int | None, ipc_dir: str) -> RankAddresses:
+    if address is None:
+        return RankAddresses(
+            f"ipc://{ipc_dir}/output", [f"ipc://{ipc_dir}/input-{r}" for r in range(dp)], f"tcp://127.0.0.1:{free_port()}"
+        )
+    if rpc_port is None:
+        raise ValueError("--data-parallel-address needs --data-parallel-rpc-port")
+    return RankAddresses(
+        f"tcp://{address}:{rpc_port}",
+        [f"tcp://{address}:{rpc_port + 1 + r}" for r in range(dp)],
+        f"tcp://{address}:{rpc_port + 1 + dp}",
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core,
+        args=(msgspec.msgpack.encode(proc_cfg),),
+        name=f"phalanx-engine-{proc_cfg.rank}",
+        daemon=True,
+    )
+    proc.start()
+    return proc
+
+
+def local_threads(num_local: int) -> int | None:
+    return max(1, (os.cpu_count() or 1) // num_local) if num_local > 1 else None
 
 
 class EngineCoreClient:
@@ -77,9 +128,12 @@ class EngineCoreClient:
         self._ipc_dir = tempfile.mkdtemp(prefix="phalanx-ipc-")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._addresses = rank_addresses(
+            config.data_parallel_size, config.data_parallel_address, config.data_parallel_rpc_port, self._ipc_dir
+        )
         self._output_socket = self._ctx.socket(zmq.PULL)
         self._output_socket.setsockopt(zmq.LINGER, 0)
-        self._output_address = f"ipc://{self._ipc_dir}/output"
+        self._output_address = self._addresses.output
         self._output_socket.bind(self._output_address)
         self.dead_message: str | None = None
 
@@ -87,33 +141,33 @@ class EngineCoreClient:
     async def start(self) -> None:
         """Spawn every rank and wait until all report ready. Raises EngineStartupError otherwise."""
         cfg = self.config
-        spawn = multiprocessing.get_context("spawn")
         dp = cfg.data_parallel_size
-        threads = max(1, (os.cpu_count() or 1) // dp) if dp > 1 else None
+        local = range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + (cfg.data_parallel_size_local or dp))
+        threads = local_threads(len(local))
         engine_args = dataclasses.asdict(cfg.engine_args)
         for rank in range(dp):
-            address = f"ipc://{self._ipc_dir}/input-{rank}"
+            address = self._addresses.inputs[rank]
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(address)
-            proc_cfg = EngineProcessConfig(
-                engine_args=engine_args,
-                rank=rank,
-                data_parallel_size=dp,
-                input_address=address,
-                output_address=self._output_address,
-                extra_eos_token_ids=list(cfg.extra_eos_token_ids),
-                log_level=cfg.log_level,
-                num_threads=threads,
-            )
-            proc = spawn.Process(
-                target=run_engine_core,
-                args=(msgspec.msgpack.encode(proc_cfg),),
-                name=f"phalanx-engine-{rank}",
-                daemon=True,
-            )
-            proc.start()
+            proc = None
+            if rank in local:
+                proc = spawn_rank(
+                    EngineProcessConfig(
+                        engine_args=engine_args,
+                        rank=rank,
+                        data_parallel_size=dp,
+                        input_address=address,
+                        output_address=self._output_address,
+                        extra_eos_token_ids=list(cfg.extra_eos_token_ids),
+                        log_level=cfg.log_level,
+                        num_threads=threads,
+                        dist_init_method=self._addresses.dist_init_method,
+                    )
+                )
             self.ranks.append(RankHandle(rank, proc, sock))
+        if len(local) < dp:
+            logger.info("waiting for %d remote engine rank(s) to connect", dp - len(local))
         await self._wait_ready()
 
     async def _wait_ready(self) -> None:
@@ -193,20 +247,25 @@ class EngineCoreClient:
 
     # ---- liveness and shutdown --------------------------------------------------------------
     def dead_rank(self) -> RankHandle | None:
+        """A local rank whose process is gone (remote ranks report EngineFailed themselves, and a
+        lockstep peer of a vanished remote rank fails its next collective)."""
         for r in self.ranks:
-            if not r.process.is_alive():
+            if r.process is not None and not r.process.is_alive():
                 return r
         return None
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        logger.info("shutting down %d engine rank(s)", len(self.ranks))
         for r in self.ranks:
-            if r.process.is_alive():
+            if r.process is None or r.process.is_alive():
                 try:
                     r.input_socket.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + timeout_s
         for r in self.ranks:
+            if r.process is None:
+                continue
             while r.process.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if r.process.is_alive():
@@ -215,6 +274,8 @@ class EngineCoreClient:
             if r.process.is_alive():
                 r.process.kill()
                 r.process.join(1)
+        if any(r.process is None for r in self.ranks):
+            await asyncio.sleep(0.2)  # let Shutdown reach remote ranks before the sockets close
         for r in self.ranks:
             r.input_socket.close()
         self._output_socket.close()
@@ -228,3 +289,57 @@ class EngineCoreClient:
             os.rmdir(self._ipc_dir)
         except OSError:
             pass
+
+
+def run_headless(
+    engine_args: Any,
+    data_parallel_size: int,
+    size_local: int,
+    start_rank: int,
+    address: str,
+    rpc_port: int,
+    log_level: str = "info",
+    extra_eos_token_ids: list[int] | None = None,
+) -> int:
+    """`phalanx serve --headless`: run this node's ranks, connected to the head's API server.
+    Returns 0 when all ranks stopped cleanly, 1 if any failed."""
+    addresses = rank_addresses(data_parallel_size, address, rpc_port, "")
+    threads = local_threads(size_local)
+    procs = []
+    for rank in range(start_rank, start_rank + size_local):
+        procs.append(
+            spawn_rank(
+                EngineProcessConfig(
+                    engine_args=dataclasses.asdict(engine_args),
+                    rank=rank,
+                    data_parallel_size=data_parallel_size,
+                    input_address=addresses.inputs[rank],
+                    output_address=addresses.output,
+                    extra_eos_token_ids=list(extra_eos_token_ids or []),
+                    log_level=log_level,
+                    num_threads=threads,
+                    dist_init_method=addresses.dist_init_method,
+                )
+            )
+        )
+    logger.info("headless node: ranks %d..%d connect to %s", start_rank, start_rank + size_local - 1, address)
+    code = 0
+    try:
+        while procs:
+            for p in list(procs):
+                p.join(0.2)
+                if p.exitcode is not None:
+                    procs.remove(p)
+                    if p.exitcode != 0:
+                        logger.error("engine %s exited with code %s; stopping this node", p.name, p.exitcode)
+                        code = 1
+            if code:
+                break
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        p.terminate()
+        p.join(3)
+        if p.is_alive():
+            p.kill()
+    return code

@@ -19,8 +19,14 @@ rank connects a PULL to (its *input*); all ranks PUSH into one PULL socket the c
 
 The loop, once per iteration: poll the input socket (a short timeout when idle so shutdown, parent
 death and new work are noticed quickly; no wait at all while requests are in flight), drain every
-pending message, take one engine step if there is work, send outputs. A future data-parallel
-lockstep loop replaces `step` with "vote, then step or run a dummy batch"; the socket side stays.
+pending message, take one engine step if there is work, send outputs.
+
+Lockstep ranks (MoE expert parallelism, or --dp-lockstep) run the same loop but replace "step if
+there is work" by `EngineCore.step_lockstep`: every iteration, busy or idle, votes once and then
+runs what the vote decided (a real step, a padded dummy step, or nothing). A Shutdown, or the loss
+of the parent process, is voted too, so all ranks leave at the same iteration; a collective that
+fails (dead peer, timeout) raises DPError, reported as EngineFailed before the process exits 1.
+See docs/dp-protocol.md.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class EngineProcessConfig(msgspec.Struct):
     idle_poll_ms: int = 50
     stats_interval_s: float = 0.1
     num_threads: int | None = None
+    # torch.distributed rendezvous of the DP group (lockstep only), e.g. tcp://127.0.0.1:29500
+    dist_init_method: str | None = None
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -116,7 +124,11 @@ def run_engine_core(config_bytes: bytes) -> None:
     )
     # Ctrl-C goes to the whole process group: the API server decides when we stop (Shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    def on_term(*_: object) -> None:
+        logger.warning("engine rank %d terminated by SIGTERM", cfg.rank)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 2000)
@@ -158,7 +170,6 @@ def run_engine_core(config_bytes: bytes) -> None:
 def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: torch)
     import torch
 
-    from phalanx.config import ParallelConfig
     from phalanx.engine.args import EngineArgs
     from phalanx.engine.engine_core import EngineCore
 
@@ -168,9 +179,24 @@ def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: 
     config = args.create_engine_config()
     config = dataclasses.replace(
         config,
-        parallel=ParallelConfig(data_parallel_size=cfg.data_parallel_size, data_parallel_rank=cfg.rank),
+        parallel=dataclasses.replace(
+            config.parallel, data_parallel_size=cfg.data_parallel_size, data_parallel_rank=cfg.rank
+        ),
     )
-    engine = EngineCore(config)
+    group = None
+    if config.parallel.lockstep(config.model.is_moe):
+        from phalanx.distributed.group import DPGroup
+
+        if cfg.dist_init_method is None:
+            raise ValueError("lockstep data parallelism needs dist_init_method")
+        group = DPGroup(
+            cfg.rank,
+            cfg.data_parallel_size,
+            cfg.dist_init_method,
+            config.parallel.dp_timeout_s,
+            config.parallel.check_collectives,
+        )
+    engine = EngineCore(config, group)
     # Same as the offline LLM: the tokenizer's EOS also counts as EOS (the API server sends its ids).
     engine.runner.eos_token_ids |= set(cfg.extra_eos_token_ids)
     return engine
@@ -196,6 +222,9 @@ class EngineCoreLoop:
         self.last_stats_time = 0.0
 
     def run(self) -> None:
+        if self.engine.lockstep:
+            self._run_lockstep()
+            return
         while True:
             busy = self.engine.has_unfinished_requests()
             if self.poller.poll(0 if busy else self.cfg.idle_poll_ms) and not self._drain_input():
@@ -208,6 +237,29 @@ class EngineCoreLoop:
                 outputs = self.engine.step()
                 self.stats_dirty = True
             self._send(outputs)
+
+    def _run_lockstep(self) -> None:
+        """Vote every iteration, idle or not (DESIGN §5 rule 6); leave when the vote says so."""
+        poll_ms = min(self.cfg.idle_poll_ms, 10)  # idle ranks keep voting at this pace
+        shutdown = False
+        busy = False
+        while True:
+            busy = busy or self.engine.has_unfinished_requests()
+            if self.poller.poll(0 if busy else poll_ms):
+                if not self._drain_input():
+                    logger.info("rank %d received Shutdown; voting to stop", self.rank)
+                    shutdown = True
+            elif os.getppid() != self.parent_pid:
+                logger.warning("the parent process is gone; engine rank %d votes to stop", self.rank)
+                shutdown = True
+            outputs, plan = self.engine.step_lockstep(shutdown=shutdown)
+            if outputs:
+                self.stats_dirty = True
+            self._send(outputs)
+            if plan.shutdown:
+                logger.info("rank %d leaves the lockstep loop at step %d (shutdown voted)", self.rank, plan.step)
+                return
+            busy = plan.run_forward  # others are busy: keep stepping without waiting
 
     def _drain_input(self) -> bool:
         """Handle every pending message; False on Shutdown."""

@@ -113,8 +113,60 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "eagle", "model": PATH, '
         '"num_speculative_tokens": 3}\'',
     )
-    p.add_argument(
-        "-dp", "--data-parallel-size", type=int, default=1, help="number of engine ranks (processes)"
+    dp = p.add_argument_group("data parallelism (see docs/dp-protocol.md)")
+    dp.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=1, help="number of engine ranks (processes), all nodes"
+    )
+    dp.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: shard experts across the DP ranks and exchange tokens (ranks run in lockstep)",
+    )
+    dp.add_argument(
+        "--dp-lockstep",
+        action="store_true",
+        help="run dense-model ranks in lockstep too (one vote per step; default: independent ranks)",
+    )
+    dp.add_argument(
+        "--dp-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a lockstep collective may wait before the rank fails with an error naming rank and step",
+    )
+    dp.add_argument(
+        "--dp-check-collectives",
+        action="store_true",
+        help="debug: compare every collective's call site, op and shape across ranks before issuing it",
+    )
+    dp.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="ranks on this node (multi-node; default: all of them)",
+    )
+    dp.add_argument("--data-parallel-start-rank", type=int, default=0, help="first rank on this node")
+    dp.add_argument(
+        "--data-parallel-address",
+        default=None,
+        help="multi-node: the head node's address that every rank connects to",
+    )
+    dp.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=None,
+        help="multi-node: the head listens on this port (outputs), port+1+r (rank r's input) and "
+        "port+1+dp (DP group rendezvous)",
+    )
+    dp.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's engine ranks (no API server); they connect to --data-parallel-address",
+    )
+    dp.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        choices=["mp"],
+        help="how ranks are placed: mp = local processes (the only backend in this build)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     p.add_argument(
@@ -174,6 +226,10 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
         "block_size": args.block_size,
         "num_kv_blocks": args.num_gpu_blocks_override,
         "data_parallel_size": args.data_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "dp_lockstep": args.dp_lockstep,
+        "dp_timeout": args.dp_timeout,
+        "dp_check_collectives": args.dp_check_collectives,
     }
     if speculative is not None:
         engine_kwargs["speculative_config"] = speculative
@@ -185,6 +241,11 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
         api_key=args.api_key or os.environ.get("PHALANX_API_KEY") or None,
         log_level=args.log_level,
         log_stats_interval=args.log_stats_interval,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_start_rank=args.data_parallel_start_rank,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
+        headless=args.headless,
     )
 
 

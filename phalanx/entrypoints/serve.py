@@ -9,8 +9,12 @@ Does not own: command-line parsing (``cli``), routes (``openai.server``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -28,6 +32,24 @@ logger = logging.getLogger("phalanx.server")
 DEAD_EXIT_DELAY_S = 1.0
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGINT / SIGTERM after its graceful shutdown; that
+    KeyboardInterrupt would cancel our own clean-up (the engine ranks' Shutdown, which lockstep
+    ranks must vote on together). Capture the signals without re-raising them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 class ConfigError(ValueError):
     """A configuration problem found before any process starts (exit code 2)."""
 
@@ -42,6 +64,11 @@ class ServeConfig:
     log_level: str = "info"
     log_stats_interval: float = 10.0
     startup_timeout: float = 600.0
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    headless: bool = False
 
 
 def check_config(cfg: ServeConfig) -> None:
@@ -50,11 +77,27 @@ def check_config(cfg: ServeConfig) -> None:
         engine_config = cfg.engine_args.create_engine_config()
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise ConfigError(str(e)) from e
-    if cfg.engine_args.data_parallel_size > 1 and engine_config.model.is_moe:
+    args = cfg.engine_args
+    dp = args.data_parallel_size
+    if args.enable_expert_parallel and not engine_config.model.is_moe:
+        raise ConfigError("--enable-expert-parallel needs an MoE model; this one is dense")
+    if args.enable_expert_parallel and dp > 1 and engine_config.model.num_experts < dp:
         raise ConfigError(
-            f"data_parallel_size={cfg.engine_args.data_parallel_size} with an MoE model needs the lockstep "
-            "data-parallel loop, which is not implemented yet; use -dp 1 (dense models may use -dp N)"
+            f"expert parallelism over {dp} ranks needs >= {dp} experts, the model has {engine_config.model.num_experts}"
         )
+    local = cfg.data_parallel_size_local if cfg.data_parallel_size_local is not None else dp
+    if not 1 <= local <= dp or not 0 <= cfg.data_parallel_start_rank <= dp - local:
+        raise ConfigError(
+            f"data-parallel ranks [{cfg.data_parallel_start_rank}, {cfg.data_parallel_start_rank + local}) "
+            f"do not fit in -dp {dp}"
+        )
+    if local < dp and (cfg.data_parallel_address is None or cfg.data_parallel_rpc_port is None):
+        raise ConfigError(
+            "a multi-node deployment (--data-parallel-size-local < -dp) needs --data-parallel-address and "
+            "--data-parallel-rpc-port"
+        )
+    if cfg.headless and local == dp:
+        raise ConfigError("--headless runs some of the ranks for a head node elsewhere: set --data-parallel-size-local")
 
 
 async def serve(cfg: ServeConfig) -> int:
@@ -69,6 +112,10 @@ async def serve(cfg: ServeConfig) -> int:
             extra_eos_token_ids=eos_token_ids_of(tokenizer),
             log_level=cfg.log_level,
             startup_timeout_s=cfg.startup_timeout,
+            data_parallel_size_local=cfg.data_parallel_size_local,
+            data_parallel_start_rank=cfg.data_parallel_start_rank,
+            data_parallel_address=cfg.data_parallel_address,
+            data_parallel_rpc_port=cfg.data_parallel_rpc_port,
         )
     )
     try:
@@ -94,7 +141,7 @@ async def serve(cfg: ServeConfig) -> int:
 
     engine = AsyncLLM(client, tokenizer, metrics, on_dead=on_dead)
     app = build_app(make_state(engine, tokenizer, metrics, cfg.served_model_name, model_path, cfg.api_key))
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=cfg.host,
@@ -128,6 +175,23 @@ async def serve(cfg: ServeConfig) -> int:
 
 def run(cfg: ServeConfig) -> int:
     check_config(cfg)
+    if cfg.headless:
+        from phalanx.engine.core_client import run_headless
+
+        args = cfg.engine_args
+        assert cfg.data_parallel_size_local is not None and cfg.data_parallel_address is not None
+        assert cfg.data_parallel_rpc_port is not None
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        return run_headless(
+            args,
+            args.data_parallel_size,
+            cfg.data_parallel_size_local,
+            cfg.data_parallel_start_rank,
+            cfg.data_parallel_address,
+            cfg.data_parallel_rpc_port,
+            cfg.log_level,
+            eos_token_ids_of(tokenizer),
+        )
     try:
         return asyncio.run(serve(cfg))
     except KeyboardInterrupt:

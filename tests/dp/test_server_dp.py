@@ -1,0 +1,202 @@
+"""`phalanx serve -dp N` end to end: lockstep ranks behind the real API server.
+
+* randomized concurrent load (>= 200 requests, bursts, dropped streams, client aborts) on MoE
+  expert-parallel ranks with an MoE draft model, and on dense ranks forced into lockstep with an
+  EAGLE head: every completed greedy request equals a single rank without speculation;
+* two "nodes" on loopback: a head with rank 0 and a --headless node with rank 1;
+* a rank killed mid-load: /health turns 503, in-flight requests fail, every process exits
+  non-zero within seconds, nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from phalanx import LLM, SamplingParams
+from tests.e2e.conftest import MODEL_NAME, free_port, serve_command, start_server
+from tests.tiny_models import VOCAB, make_eagle_head, make_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dpserve")
+    dense = make_model("LlamaForCausalLM", root / "dense")
+    return {
+        "dense": dense,
+        "eagle": make_eagle_head(dense, root / "eagle", "eagle"),
+        "moe": make_model("MixtralForCausalLM", root / "moe"),
+        "moe_draft": make_model("MixtralForCausalLM", root / "moe_draft", seed=7, num_hidden_layers=1),
+    }
+
+
+def _requests(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        plen = rng.randint(1, 40)
+        base = [rng.randrange(3, VOCAB) for _ in range(max(plen // 2, 1))]
+        kind = rng.choices(["plain", "stream", "drop", "abort"], weights=[45, 40, 8, 7])[0]
+        out.append(dict(i=i, prompt=(base * 3)[:plen], max_tokens=rng.randint(1, 20), kind=kind,
+                        delay=rng.choice([0.0, 0.0, rng.uniform(0, 3.0)])))
+    return out
+
+
+async def _one(client: httpx.AsyncClient, r: dict) -> tuple[int, str | None, str | None]:
+    await asyncio.sleep(r["delay"])  # bursts at t=0, the rest spread out
+    body = {"model": MODEL_NAME, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
+            "ignore_eos": True}
+    if r["kind"] == "plain":
+        resp = await client.post("/v1/completions", json=body)
+        resp.raise_for_status()
+        choice = resp.json()["choices"][0]
+        return r["i"], choice["text"], choice["finish_reason"]
+    if r["kind"] == "abort":  # the client gives up before the answer
+        try:
+            await client.post("/v1/completions", json={**body, "max_tokens": 200}, timeout=0.05)
+        except httpx.TimeoutException:
+            pass
+        return r["i"], None, None
+    text, finish, chunks = "", None, 0
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            chunk = json.loads(line[6:])
+            chunks += 1
+            if r["kind"] == "drop" and chunks >= 2:
+                return r["i"], None, None  # dropped stream: leave mid-answer
+            for c in chunk["choices"]:
+                text += c["text"]
+                finish = c["finish_reason"] or finish
+    return r["i"], text, finish
+
+
+async def _load(base_url: str, reqs: list[dict], max_concurrency: int = 48) -> list[tuple[int, str | None, str | None]]:
+    sem = asyncio.Semaphore(max_concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as client:
+        async def bounded(r: dict):  # noqa: ANN202
+            async with sem:
+                return await _one(client, r)
+
+        return await asyncio.wait_for(asyncio.gather(*(bounded(r) for r in reqs)), timeout=300)
+
+
+def _reference(model: Path, reqs: list[dict]) -> dict[int, str]:
+    llm = LLM(str(model), dtype="float32", max_model_len=256, kv_cache_space=0.05)
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    return {r["i"]: o.outputs[0].text for r, o in zip(reqs, llm.generate(prompts, params, use_tqdm=False))}
+
+
+def _check_load(server, model: Path, seed: int) -> None:  # noqa: ANN001
+    reqs = _requests(200, seed)
+    results = asyncio.run(_load(server.base_url, reqs))
+    ref = _reference(model, reqs)
+    completed = [(i, text, fin) for i, text, fin in results if text is not None]
+    assert len(completed) >= 150
+    for i, text, finish in completed:
+        assert finish == "length", i
+        assert text == ref[i], f"request {i} differs from a single rank"
+    # Aborted / dropped requests gave their blocks back: usage returns to 0 on every rank.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        usage = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("phalanx:kv_cache_usage_perc")]
+        running = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("phalanx:num_requests_running")]
+        if usage and all(u == 0 for u in usage) and all(r == 0 for r in running):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"KV blocks not returned: {usage}, running {running}")
+
+
+def test_moe_expert_parallel_with_moe_draft_under_load(models: dict[str, Path], tmp_path: Path) -> None:
+    spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % models["moe_draft"]
+    server = start_server(models["moe"], tmp_path / "s.log", "-dp", "2", "--enable-expert-parallel",
+                          "--speculative-config", spec, "--dp-timeout", "30", "--max-model-len", "256")
+    try:
+        _check_load(server, models["moe"], seed=1)
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert "phalanx:spec_decode_num_drafts_total" in metrics
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_dense_forced_lockstep_with_eagle_under_load(models: dict[str, Path], tmp_path: Path) -> None:
+    spec = '{"model": "%s", "num_speculative_tokens": 3}' % models["eagle"]
+    server = start_server(models["dense"], tmp_path / "s.log", "-dp", "2", "--dp-lockstep",
+                          "--speculative-config", spec, "--dp-check-collectives", "--max-model-len", "256")
+    try:
+        _check_load(server, models["dense"], seed=2)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_two_nodes_on_loopback(models: dict[str, Path], tmp_path: Path) -> None:
+    rpc = free_port() + 7  # the head uses rpc .. rpc + 1 + dp
+    common = ["-dp", "2", "--enable-expert-parallel", "--data-parallel-size-local", "1",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
+              "--max-model-len", "256", "--kv-cache-space", "0.05"]
+    log = open(tmp_path / "headless.log", "wb")  # noqa: SIM115 - the child keeps the descriptor
+    headless = subprocess.Popen(
+        serve_command(models["moe"], *common, "--data-parallel-start-rank", "1", "--headless"),
+        cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        server = start_server(models["moe"], tmp_path / "head.log", *common)
+        try:
+            reqs = _requests(24, seed=3)
+            for r in reqs:
+                r["kind"] = "plain"
+            results = asyncio.run(_load(server.base_url, reqs))
+            ref = _reference(models["moe"], reqs)
+            assert all(text == ref[i] for i, text, _ in results)
+        finally:
+            assert server.stop() == 0, server.log()[-3000:]
+        assert headless.wait(30) == 0  # the head's Shutdown reached the remote rank
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        log.close()
+
+
+def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Path) -> None:
+    server = start_server(models["moe"], tmp_path / "s.log", "-dp", "2", "--enable-expert-parallel",
+                          "--dp-timeout", "20", "--max-model-len", "256")
+    pids = server.engine_pids()
+    assert len(pids) == 2
+
+    async def load_then_kill() -> list:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(1.0)
+            os.kill(pids[1], signal.SIGKILL)
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+    t0 = time.monotonic()
+    results = asyncio.run(load_then_kill())
+    assert all(isinstance(r, Exception) or r.status_code >= 500 or r.status_code == 200 for r in results)
+    assert any(not isinstance(r, Exception) and r.status_code >= 500 for r in results)
+    code = server.proc.wait(30)
+    assert code != 0
+    assert time.monotonic() - t0 < 30
+    log = server.log()
+    assert "engine rank" in log and ("exited" in log or "failed" in log)
+    # The surviving rank is gone too: no orphans.
+    time.sleep(1)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

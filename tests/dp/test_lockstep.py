@@ -15,7 +15,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from phalanx import LLM, SamplingParams
 from tests.dp.harness import RankJob, run_ranks

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -71,8 +72,6 @@ async def _one(client: httpx.AsyncClient, r: dict) -> tuple[int, str | None, str
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            import json
-
             chunk = json.loads(line[6:])
             chunks += 1
             if r["kind"] == "drop" and chunks >= 2:
@@ -123,7 +122,7 @@ def _check_load(server, model: Path, seed: int) -> None:  # noqa: ANN001
 
 
 def test_moe_expert_parallel_with_moe_draft_under_load(models: dict[str, Path], tmp_path: Path) -> None:
-    spec = '{"method": "draft_model", "model": "%s", "num_speculative_tokens": 3}' % models["moe_draft"]
+    spec = json.dumps({"method": "draft_model", "model": str(models["moe_draft"]), "num_speculative_tokens": 3})
     server = start_server(models["moe"], tmp_path / "s.log", "-dp", "2", "--enable-expert-parallel",
                           "--speculative-config", spec, "--dp-timeout", "30", "--max-model-len", "256")
     try:
@@ -135,7 +134,7 @@ def test_moe_expert_parallel_with_moe_draft_under_load(models: dict[str, Path], 
 
 
 def test_dense_forced_lockstep_with_eagle_under_load(models: dict[str, Path], tmp_path: Path) -> None:
-    spec = '{"model": "%s", "num_speculative_tokens": 3}' % models["eagle"]
+    spec = json.dumps({"model": str(models["eagle"]), "num_speculative_tokens": 3})
     server = start_server(models["dense"], tmp_path / "s.log", "-dp", "2", "--dp-lockstep",
                           "--speculative-config", spec, "--dp-check-collectives", "--max-model-len", "256")
     try:

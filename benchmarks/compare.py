@@ -108,7 +108,7 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     launcher = tmp / "launch_vllm.py"
     launcher.write_text(VLLM_LAUNCHER)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", TMPDIR=str(tmp), HF_HUB_OFFLINE="1",
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", TMPDIR=str(tmp), HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1")
     cmd = [args.vllm_python, str(launcher), "serve", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1", "--port", str(free_port())]

@@ -17,7 +17,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import API_KEY, MODEL_NAME, REPO, ServerProcess, serve_command, start_server
-from tests.tiny_models import make_model
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
@@ -222,11 +221,8 @@ def test_startup_errors_exit_nonzero(tmp_path: Path, tiny_model: Path, capsys, c
     assert code == 2 and "does not exist" in out
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--max-model-len", "100000", "--port", "1")
     assert code == 2 and "max_model_len" in out
-    moe = make_model("MixtralForCausalLM", tmp_path / "moe")
-    code, out = _cli(capsys, caplog, "serve", str(moe), "-dp", "2", "--port", "1")
-    assert (
-        code == 2 and "lockstep" in out
-    )  # MoE data parallelism is not wired up yet: say so, never ignore it
+    code, out = _cli(capsys, caplog, "serve", str(tiny_model), "-dp", "2", "--enable-expert-parallel", "--port", "1")
+    assert code == 2 and "--enable-expert-parallel needs an MoE model" in out  # never silently ignored
     # Only the engine process finds this one (the KV cache cannot hold one full-length request):
     # the message travels back and the server exits 1 instead of hanging.
     r = subprocess.run(

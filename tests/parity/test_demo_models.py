@@ -1,0 +1,49 @@
+"""The built-in demo models through phalanx: the target agrees with transformers token for token,
+built-in names resolve everywhere a model path is accepted, and the committed drafters really
+draft for it (acceptance well above a random drafter's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.engine.args import resolve_model_path
+
+REPO = Path(__file__).resolve().parents[2]
+QUESTIONS = [json.loads(line)["question"] for line in (REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open()][:16]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+
+
+def _chats() -> list[list[dict]]:
+    return [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+def test_target_matches_transformers_greedy() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path("phalanx-math")
+    llm = LLM("phalanx-math", dtype="float32")
+    outs = llm.chat(_chats()[:8], GREEDY, use_tqdm=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for chat, out in zip(_chats()[:8], outs):
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, pad_token_id=tok.pad_token_id)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize(
+    ("method", "drafter", "floor"),
+    [("eagle", "phalanx-math-eagle", 2.0), ("eagle3", "phalanx-math-eagle3", 2.0), ("draft_model", "phalanx-math-draft", 1.5)],
+)
+def test_builtin_drafters_draft_well_and_stay_exact(method: str, drafter: str, floor: float) -> None:
+    plain = LLM("phalanx-math").chat(_chats(), GREEDY, use_tqdm=False)
+    spec = {"method": method, "model": drafter, "num_speculative_tokens": 3}
+    llm = LLM("phalanx-math", speculative_config=spec)
+    outs = llm.chat(_chats(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["spec_mean_acceptance_length"] > floor

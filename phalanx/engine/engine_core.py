@@ -47,6 +47,7 @@ class EngineCore:
             num_lookahead_slots=self.runner.num_lookahead_slots,
         )
         self.num_steps = 0
+        self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -82,11 +83,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
         result = self.runner.execute(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs

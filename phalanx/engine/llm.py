@@ -172,6 +172,15 @@ class LLM:
         s = self.engine.stats()
         metrics: dict[str, Any] = dataclass_to_dict(s)
         metrics["num_steps"] = self.engine.num_steps
+        runner = self.engine.runner
+        if self.engine.step_seconds > 0:
+            # Everything but the model forwards (target + drafter): scheduling, batch building,
+            # sampling / verification, bookkeeping.
+            busy = runner.forward_seconds + runner.drafter_seconds
+            metrics["engine_overhead_fraction"] = max(0.0, 1.0 - busy / self.engine.step_seconds)
+            metrics["step_seconds"] = self.engine.step_seconds
+            metrics["forward_seconds"] = runner.forward_seconds
+            metrics["drafter_seconds"] = runner.drafter_seconds
         metrics["prompt_tokens"] = self.engine.num_prompt_tokens
         metrics["generation_tokens"] = self.engine.num_generation_tokens
         if s.spec_num_drafts:

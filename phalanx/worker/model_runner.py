@@ -12,6 +12,7 @@ tensor op.
 
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -117,6 +118,9 @@ class ModelRunner:
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, RunnerRequestState] = {}
         self.num_tokens_run = 0  # tokens through the target forward, for tests and stats
+        # Time split for the overhead figure: model forwards (target incl. lm_head) and drafting.
+        self.forward_seconds = 0.0
+        self.drafter_seconds = 0.0
 
     def _context(self, label: str) -> AbstractContextManager[None]:
         return self.group.context(label) if self.group is not None else nullcontext()
@@ -211,10 +215,12 @@ class ModelRunner:
             num_pad,
         )
         input_ids.extend([0] * num_pad)
+        t0 = time.perf_counter()
         with self._context("target forward"):
             hidden, aux = self.model(
                 torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids
             )
+        self.forward_seconds += time.perf_counter() - t0
 
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if sampling:
@@ -228,9 +234,11 @@ class ModelRunner:
             if self.skip_drafter_for_test:
                 pass  # test-only: reproduces the seed's bug (a rank skipping the drafter unvoted)
             else:
+                t0 = time.perf_counter()
                 out.spec_token_ids = self._propose(
                     sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out, pass_sizes
                 )
+                self.drafter_seconds += time.perf_counter() - t0
         return out
 
     def _propose(
@@ -288,7 +296,9 @@ class ModelRunner:
             self.eos_token_ids,
             hidden.device,
         )
+        t0 = time.perf_counter()
         logits = self.model.compute_logits(hidden)  # [rows, V] float32
+        self.forward_seconds += time.perf_counter() - t0
         result = rejection_sample(drafts_of, None, logits, meta, self.sampler)
         want_logprobs = meta.max_num_logprobs is not None
         if want_logprobs:

@@ -35,6 +35,11 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+
+
+def markers(section: str | None) -> tuple[str, str]:
+    """The doc markers a report replaces: the default pair, or `<!-- compare:NAME:begin -->`."""
+    return (BEGIN, END) if not section else (f"<!-- compare:{section}:begin -->", f"<!-- compare:{section}:end -->")
 SERVER_ENGINES = ("phalanx-serve", "vllm")
 VLLM_LAUNCHER = '''\
 import importlib.metadata as md
@@ -260,7 +265,7 @@ def _latest(records: list[dict]) -> dict[tuple, dict]:
     return out
 
 
-def render(records: list[dict], img_dir: Path, img_rel: str) -> str:
+def render(records: list[dict], img_dir: Path, img_rel: str, suffix: str = "") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,9 +294,9 @@ def render(records: list[dict], img_dir: Path, img_rel: str) -> str:
            title="Throughput vs concurrency (no speculation)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(img_dir / "bench_throughput_vs_concurrency.png", dpi=110)
+    fig.savefig(img_dir / f"bench_throughput_vs_concurrency{suffix}.png", dpi=110)
     plt.close(fig)
-    lines.append(f"\n![throughput vs concurrency]({img_rel}/bench_throughput_vs_concurrency.png)\n")
+    lines.append(f"\n![throughput vs concurrency]({img_rel}/bench_throughput_vs_concurrency{suffix}.png)\n")
     # 2. speculative methods: speedup over the same engine without speculation
     spec_keys = sorted({(k[0], k[1]) for k in latest if k[1] != "none" and k[2] == 1})
     if spec_keys:
@@ -320,9 +325,9 @@ def render(records: list[dict], img_dir: Path, img_rel: str) -> str:
         ax.set(ylabel="speedup over no speculation", title="Speculative decoding speedup")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(img_dir / "bench_spec_speedup.png", dpi=110)
+        fig.savefig(img_dir / f"bench_spec_speedup{suffix}.png", dpi=110)
         plt.close(fig)
-        lines.append(f"\n![speculative speedup]({img_rel}/bench_spec_speedup.png)\n")
+        lines.append(f"\n![speculative speedup]({img_rel}/bench_spec_speedup{suffix}.png)\n")
     # 3. data parallel scaling
     dp_keys = sorted({(k[0], k[1]) for k in latest if k[2] > 1})
     if dp_keys:
@@ -344,9 +349,9 @@ def render(records: list[dict], img_dir: Path, img_rel: str) -> str:
         ax.set(xlabel="data-parallel size", ylabel="output tok/s", title="Data-parallel scaling")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(img_dir / "bench_dp_scaling.png", dpi=110)
+        fig.savefig(img_dir / f"bench_dp_scaling{suffix}.png", dpi=110)
         plt.close(fig)
-        lines.append(f"\n![dp scaling]({img_rel}/bench_dp_scaling.png)\n")
+        lines.append(f"\n![dp scaling]({img_rel}/bench_dp_scaling{suffix}.png)\n")
     dates = sorted(r["date"] for r in records)
     lines.append(f"Measured {dates[0]} – {dates[-1]} (UTC).")
     return "\n".join(lines)
@@ -359,13 +364,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     doc = Path(args.doc)
     img_dir = doc.parent / "img"
     img_dir.mkdir(parents=True, exist_ok=True)
-    body = render(records, img_dir, "img")
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n\n## Engine comparison\n\n" + BEGIN + "\n" + END + "\n"
-    if BEGIN not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    doc.write_text(f"{head}{BEGIN}\n{body}\n{END}{tail}")
+    begin, end = markers(args.section)
+    body = render(records, img_dir, "img", f"_{args.section}" if args.section else "")
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if begin not in text:
+        text += f"\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    doc.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
     print(f"wrote {doc} and plots under {img_dir}")
     return 0
 
@@ -399,6 +405,9 @@ def main() -> int:
     rep.add_argument("--results", default=str(REPO / "benchmarks/results/compare.json"))
     rep.add_argument("--dp-results", action="append", default=[], help="more result files (e.g. -dp runs)")
     rep.add_argument("--doc", default=str(REPO / "docs/benchmarks.md"))
+    rep.add_argument("--section", default=None,
+                     help="replace <!-- compare:SECTION:begin/end --> instead of the default markers; "
+                     "plots get a _SECTION suffix")
     rep.set_defaults(func=cmd_report)
     args = p.parse_args()
     return args.func(args)

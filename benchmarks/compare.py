@@ -290,8 +290,10 @@ def render(records: list[dict], img_dir: Path, img_rel: str, suffix: str = "") -
                      " | ".join(_fmt(r and r["tpot_median_ms"]) for r in row) + " |")
         pts = [(c, r["output_throughput"]) for c, r in zip(cs, row) if r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=e)
-    ax.set(xscale="log", xlabel="concurrency (max_num_seqs / batch)", ylabel="output tok/s",
+    ax.set(xscale="log", yscale="log", xlabel="concurrency (max_num_seqs / batch)", ylabel="output tok/s (log)",
            title="Throughput vs concurrency (no speculation)")
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.minorticks_off()
     ax.legend()
     fig.tight_layout()
     fig.savefig(img_dir / f"bench_throughput_vs_concurrency{suffix}.png", dpi=110)

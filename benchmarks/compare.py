@@ -292,8 +292,8 @@ def render(records: list[dict], img_dir: Path, img_rel: str, suffix: str = "") -
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=e)
     ax.set(xscale="log", yscale="log", xlabel="concurrency (max_num_seqs / batch)", ylabel="output tok/s (log)",
            title="Throughput vs concurrency (no speculation)")
-    ax.set_xticks(cs, [str(c) for c in cs])
-    ax.minorticks_off()
+    ax.set_xticks(cs, [str(c) for c in cs], minor=False)
+    ax.set_xticks([], minor=True)
     ax.legend()
     fig.tight_layout()
     fig.savefig(img_dir / f"bench_throughput_vs_concurrency{suffix}.png", dpi=110)

@@ -39,7 +39,7 @@ from phalanx.demo.common import (
     smooth,
 )
 
-N_DISTILL = 5000  # train questions answered by the target (draft distillation, EAGLE training text)
+N_DISTILL = 3000  # train questions answered by the target (draft distillation, EAGLE training text)
 
 # name -> (architecture, config kwargs, training kwargs)
 SPECS = {
@@ -48,7 +48,7 @@ SPECS = {
                      dict(steps=2000, batch=32, lr=2e-3)),
     "phalanx-math-draft": ("llama", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1),
-                           dict(steps=2500, batch=32, lr=3e-3)),
+                           dict(steps=1000, batch=32, lr=3e-3)),
     "phalanx-math-moe": ("mixtral", dict(hidden_size=192, intermediate_size=384, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          num_local_experts=4, num_experts_per_tok=2),

@@ -372,7 +372,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
 
     eagle3 = kind == "eagle3"
     name = "phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle"
-    steps = steps or 400
+    steps = steps or (700 if eagle3 else 400)
     rows = distill_rows(seed, n_seqs or N_DISTILL)
     setup(seed)
     tok = load_tokenizer()

@@ -105,8 +105,10 @@ def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, n
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
-        prev = json.loads(curve_file.read_text())
-        train_pts, val_pts, train_time = [tuple(x) for x in prev["train"]], [tuple(x) for x in prev["val"]], prev["time"]
+        if curve_file.exists():   # earlier stages' curve (build/demo is not committed)
+            prev = json.loads(curve_file.read_text())
+            train_pts, val_pts = [tuple(x) for x in prev["train"]], [tuple(x) for x in prev["val"]]
+            train_time = prev["time"]
     nparams = sum(p.numel() for p in model.parameters())
     print(f"{name}: {arch}, {nparams / 1e6:.2f}M parameters, stages {stages} {note}", flush=True)
 

@@ -17,7 +17,7 @@ follow the real ones as one pseudo-request that attends only to itself and write
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,8 +42,11 @@ class AttentionMetadata:
     dec_token_idx: torch.Tensor | None = None  # [Bd, Qd] int64 into the flat batch (padded with 0)
     dec_valid: torch.Tensor | None = None  # [Bd, Qd] bool
     dec_block_table: torch.Tensor | None = None  # [Bd, NBd] int64
-    dec_mask: torch.Tensor | None = None  # [Bd, 1, Qd, NBd * block_size] bool, True = attend
+    # [Bd, 1, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
+    dec_mask: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
+    # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
+    cache: dict = field(default_factory=dict)
 
 
 def build_attention_metadata(
@@ -77,7 +80,7 @@ def build_attention_metadata(
         meta.dec_block_table = block_table[dec_rows, :num_blocks]
         q_pos = num_computed[dec_rows][:, None] + offs[None, :]  # [Bd, Qd]
         key_pos = torch.arange(num_blocks * block_size)
-        meta.dec_mask = (key_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        meta.dec_mask = (key_pos[None, None, :] > q_pos[:, :, None])[:, None, :, None, :]
     pre_rows = torch.nonzero(~is_dec).flatten().tolist()
     meta.prefills = []
     if pre_rows:

@@ -65,7 +65,7 @@ def _decode_group_attention(
     q: torch.Tensor,  # [Bd, Qd, H, D] padded query grid
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kvh, D]
     block_table: torch.Tensor,  # [Bd, NB]
-    mask: torch.Tensor,  # [Bd, 1, Qd, NB * block_size] bool
+    masked: torch.Tensor,  # [Bd, 1, Qd, 1, NB * block_size] bool, True = masked out
     scale: float,
 ) -> torch.Tensor:  # [Bd, Qd, H, D]
     """Attention for short queries as grouped matmuls: the query heads sharing a KV head are one
@@ -79,7 +79,7 @@ def _decode_group_attention(
     # heads [kv0: h0..h(g-1), kv1: ...] -> [Bd, kvh, Qd * g, D]
     qg = q.view(bd, qd, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bd, kvh, qd * g, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Bd, kvh, Qd * g, L]
-    scores = scores.view(bd, kvh, qd, g, -1).masked_fill(~mask.unsqueeze(3), float("-inf"))
+    scores = scores.view(bd, kvh, qd, g, -1).masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(bd, kvh, qd * g, -1)
     out = torch.matmul(probs, v)  # [Bd, kvh, Qd * g, D]
     return out.view(bd, kvh, qd, g, d).permute(0, 2, 1, 3, 4).reshape(bd, qd, h, d)

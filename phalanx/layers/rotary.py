@@ -54,10 +54,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin rows [T, 1, head_dim] for this batch, computed once per forward (all layers
+        share them; `cache` lives on the batch's attention metadata)."""
+        key = (id(self), dtype)
+        if key not in cache:
+            cache[key] = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        return cache[key]
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self.tables(positions, q.dtype, {} if cache is None else cache)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Rotate a [T, heads, head_dim] tensor (queries and keys side by side: one op chain)."""
+        cos, sin = self.tables(positions, x.dtype, cache)
+        return x * cos + _rotate_half(x) * sin

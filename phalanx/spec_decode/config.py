@@ -33,8 +33,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None  # resolved folder of the draft checkpoint
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
     max_model_len: int | None = None  # the drafter's own context limit
     draft_tensor_parallel_size: int = 1
 
@@ -83,8 +83,11 @@ class SpeculativeConfig:
         hi = raw.get("prompt_lookup_max")
         if method != "ngram" and (lo is not None or hi is not None):
             raise ValueError("prompt_lookup_min / prompt_lookup_max apply to method 'ngram' only")
-        lo = int(lo if lo is not None else (1 if hi is None else min(int(hi), 1)))
-        hi = int(hi if hi is not None else max(lo, 4))
+        # vLLM's defaults: both unset -> 5 and 5; one unset -> equal to the other.
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = int(lo if lo is not None else hi)  # type: ignore[arg-type]
+        hi = int(hi if hi is not None else lo)
         if not 1 <= lo <= hi:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
         max_len = raw.get("max_model_len")

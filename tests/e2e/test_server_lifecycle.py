@@ -75,8 +75,9 @@ def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
     abort_key = ("phalanx:request_success_total", (("finished_reason", "abort"),))
     aborts_before = metrics(url).get(abort_key, 0.0)
     generated_before = gauge_sum(metrics(url), "phalanx:generation_tokens_total")
+    # 16 samples of 240 tokens keep the engine busy for well over the client's patience.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240}, headers=AUTH, timeout=1.0)
+        httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240, "n": 16}, headers=AUTH, timeout=0.25)
     wait_for(
         lambda: (
             gauge_sum(metrics(url), "phalanx:num_requests_running") == 0
@@ -86,7 +87,7 @@ def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
     )
     m = metrics(url)
     assert m[abort_key] == aborts_before + 1
-    assert gauge_sum(m, "phalanx:generation_tokens_total") - generated_before < 240
+    assert gauge_sum(m, "phalanx:generation_tokens_total") - generated_before < 240 * 16
 
 
 def test_metrics_names(server: ServerProcess) -> None:
@@ -146,7 +147,7 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
     speculative stats. Killing one rank makes /health 503, fails in-flight requests promptly, shuts the
     other rank down, and the server exits non-zero within seconds (never a hang)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "256",
+    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "512",
                        "--speculative-config", spec)  # fmt: skip
     try:
         pids = srv.engine_pids()
@@ -177,8 +178,9 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
             )
             wait_for(lambda: "mean acceptance length" in srv.log(), what="the speculative stats log line")
             pool = ThreadPoolExecutor(1)
-            blocking = pool.submit(c.post, "/v1/completions", json={**LONG, "max_tokens": 250})
-            with c.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as r:
+            # Long enough (8 x 500 tokens) to still be running when the rank dies.
+            blocking = pool.submit(c.post, "/v1/completions", json={**LONG, "max_tokens": 500, "n": 8})
+            with c.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 500, "stream": True, "n": 2}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 t0 = time.monotonic()

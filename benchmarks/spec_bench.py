@@ -1,0 +1,71 @@
+"""Speculative decoding on the demo model: output tokens/s with and without each method at
+concurrency 1 and 16 (offline `LLM`, greedy chat requests from the held-out math split), with the
+mean acceptance length. Prints a markdown table; asserts nothing.
+
+    python benchmarks/spec_bench.py [--threads 2] [--num-prompts 64] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from phalanx import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+    "draft_model": {"method": "draft_model", "model": "phalanx-math-draft", "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "model": "phalanx-math-eagle", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "model": "phalanx-math-eagle3", "num_speculative_tokens": 3},
+}
+
+
+def run(method: str, concurrency: int, chats: list, max_tokens: int) -> tuple[float, float | None]:
+    llm = LLM("phalanx-math", speculative_config=METHODS[method], max_num_seqs=concurrency)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
+    before = llm.get_metrics()
+    t = time.perf_counter()
+    n = 0
+    for i in range(0, len(chats), concurrency):
+        outs = llm.chat(chats[i : i + concurrency], params, use_tqdm=False)
+        n += sum(len(o.outputs[0].token_ids) for o in outs)
+    dt = time.perf_counter() - t
+    after = llm.get_metrics()
+    drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    return n / dt, (1 + accepted / drafts) if drafts else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--c1-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [json.loads(line) for line in (REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open()]
+    chats = [[{"role": "user", "content": r["question"]}] for r in rows[: args.num_prompts]]
+    results = {}
+    for method in METHODS:
+        c1 = run(method, 1, chats[: args.c1_prompts], args.max_tokens)
+        c16 = run(method, 16, chats, args.max_tokens)
+        results[method] = (c1, c16)
+        print(method, c1, c16, flush=True)
+    base1, base16 = results["none"][0][0], results["none"][1][0]
+    print("\n| method (k = 3) | tok/s c = 1 | speed-up | tok/s c = 16 | speed-up | acceptance length (c=1 / c=16) |")
+    print("|---|---|---|---|---|---|")
+    for method, ((t1, a1), (t16, a16)) in results.items():
+        acc = "–" if a1 is None else f"{a1:.2f} / {a16:.2f}"
+        print(f"| {method} | {t1:.1f} | {t1 / base1:.2f}× | {t16:.1f} | {t16 / base16:.2f}× | {acc} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -109,7 +109,7 @@ def t_change(c: _Ctx):
 
 
 def t_share(c: _Ctx):
-    (nm, he, _), obj = c.person(), c.pick(OBJECTS)
+    (nm, _he, _), obj = c.person(), c.pick(OBJECTS)
     b, qv = c.n(2, 9), c.n(2, 12)
     a = b * qv
     d = c.n(1, 20)

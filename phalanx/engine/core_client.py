@@ -70,6 +70,7 @@ class EngineClientConfig:
     data_parallel_start_rank: int = 0
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
+    num_threads: int | None = None  # torch threads per rank (default: cores // local ranks)
 
 
 @dataclass
@@ -112,7 +113,10 @@ def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
     return proc
 
 
-def local_threads(num_local: int) -> int | None:
+def local_threads(num_local: int, requested: int | None = None) -> int | None:
+    """torch threads per rank: as requested, else the node's cores split between its ranks."""
+    if requested is not None:
+        return requested
     return max(1, (os.cpu_count() or 1) // num_local) if num_local > 1 else None
 
 
@@ -143,7 +147,7 @@ class EngineCoreClient:
         cfg = self.config
         dp = cfg.data_parallel_size
         local = range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + (cfg.data_parallel_size_local or dp))
-        threads = local_threads(len(local))
+        threads = local_threads(len(local), cfg.num_threads)
         engine_args = dataclasses.asdict(cfg.engine_args)
         for rank in range(dp):
             address = self._addresses.inputs[rank]
@@ -300,11 +304,12 @@ def run_headless(
     rpc_port: int,
     log_level: str = "info",
     extra_eos_token_ids: list[int] | None = None,
+    num_threads: int | None = None,
 ) -> int:
     """`phalanx serve --headless`: run this node's ranks, connected to the head's API server.
     Returns 0 when all ranks stopped cleanly, 1 if any failed."""
     addresses = rank_addresses(data_parallel_size, address, rpc_port, "")
-    threads = local_threads(size_local)
+    threads = local_threads(size_local, num_threads)
     procs = []
     for rank in range(start_rank, start_rank + size_local):
         procs.append(

@@ -168,6 +168,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=["mp"],
         help="how ranks are placed: mp = local processes (the only backend in this build)",
     )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per engine rank (default: this node's cores divided among its ranks)",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     p.add_argument(
         "--log-stats-interval",
@@ -246,6 +252,7 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
         data_parallel_address=args.data_parallel_address,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
         headless=args.headless,
+        num_threads=args.num_threads,
     )
 
 

@@ -69,6 +69,7 @@ class ServeConfig:
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
     headless: bool = False
+    num_threads: int | None = None
 
 
 def check_config(cfg: ServeConfig) -> None:
@@ -96,6 +97,8 @@ def check_config(cfg: ServeConfig) -> None:
             "a multi-node deployment (--data-parallel-size-local < -dp) needs --data-parallel-address and "
             "--data-parallel-rpc-port"
         )
+    if cfg.num_threads is not None and cfg.num_threads < 1:
+        raise ConfigError(f"--num-threads must be >= 1, got {cfg.num_threads}")
     if cfg.headless and local == dp:
         raise ConfigError("--headless runs some of the ranks for a head node elsewhere: set --data-parallel-size-local")
 
@@ -116,6 +119,7 @@ async def serve(cfg: ServeConfig) -> int:
             data_parallel_start_rank=cfg.data_parallel_start_rank,
             data_parallel_address=cfg.data_parallel_address,
             data_parallel_rpc_port=cfg.data_parallel_rpc_port,
+            num_threads=cfg.num_threads,
         )
     )
     try:
@@ -191,6 +195,7 @@ def run(cfg: ServeConfig) -> int:
             cfg.data_parallel_rpc_port,
             cfg.log_level,
             eos_token_ids_of(tokenizer),
+            cfg.num_threads,
         )
     try:
         return asyncio.run(serve(cfg))

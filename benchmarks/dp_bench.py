@@ -11,8 +11,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,12 +19,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_util import free_port, start_server, stop_server  # noqa: E402
 
 
 def _vote_rank(rank: int, size: int, port: int, votes: int, check: bool, out: mp.Queue) -> None:
@@ -52,7 +46,7 @@ def bench_vote(ranks: int, votes: int) -> None:
     for check in (False, True):
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_vote_rank, args=(r, ranks, port, votes, check, q)) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -67,36 +61,15 @@ def bench_vote(ranks: int, votes: int) -> None:
         )
 
 
-def _serve(model: str, dp: int, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "phalanx.entrypoints.cli", "serve", model, "--port", str(port), "-dp", str(dp),
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
-
-
 def bench_scaling(model: str, dps: list[int], num_prompts: int, concurrency: int, extra: list[str]) -> None:
     results = {}
     tmp = Path(tempfile.mkdtemp(prefix="phalanx-dp-bench-"))
     for dp in dps:
-        proc, port = _serve(model, dp, extra, tmp / f"serve-dp{dp}.log")
+        proc, url = start_server(model, ["-dp", str(dp), "--log-level", "warning", *extra], tmp / f"serve-dp{dp}.log")
         try:
             out = tmp / f"dp{dp}.json"
             subprocess.run(
-                [sys.executable, "-m", "phalanx.bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                [sys.executable, "-m", "phalanx.bench", "serve", "--base-url", url,
                  "--model", model, "--endpoint", "chat", "--dataset", str(_dataset()), "--num-prompts",
                  str(num_prompts), "--max-concurrency", str(concurrency), "--temperature", "0",
                  "--num-warmups", "2", "--json", str(out), "--disable-tqdm"],
@@ -104,11 +77,7 @@ def bench_scaling(model: str, dps: list[int], num_prompts: int, concurrency: int
             )
             results[dp] = json.loads(out.read_text())
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     base = results[dps[0]]["output_throughput"]
     for dp, r in results.items():
         print(f"-dp {dp}: {r['output_throughput']:.1f} output tok/s ({r['output_throughput'] / base:.2f}x of -dp {dps[0]}), "

@@ -13,8 +13,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_util import start_server, stop_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EAGLE = '{"method":"eagle","model":"phalanx-math-eagle","num_speculative_tokens":3}'
@@ -35,31 +36,6 @@ CONFIGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(model: str, flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "phalanx.entrypoints.cli", "serve", model, "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited during start-up:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
 def _spec_counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out: dict[str, float] = {}
@@ -71,7 +47,7 @@ def _spec_counters(url: str) -> dict[str, float]:
 
 def run_one(label: str, model: str, flags: list[str], limit: int | None, work: Path) -> dict:
     log = work / f"{re.sub(r'[^a-z0-9]+', '-', label.lower())}.log"
-    proc, url = _start(model, flags, log)
+    proc, url = start_server(model, flags, log)
     try:
         out_dir = work / "results" / log.stem
         model_args = (f"model={model},base_url={url}/v1/chat/completions,num_concurrent=32,max_retries=3,"
@@ -90,12 +66,7 @@ def run_one(label: str, model: str, flags: list[str], limit: int | None, work: P
         em = res.get("exact_match,strict-match")
         spec = _spec_counters(url)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = -9
+        code = stop_server(proc)
     mal = 1 + spec["num_accepted_tokens"] / spec["num_drafts"] if spec["num_drafts"] else None
     return {"label": label, "model": model, "flags": " ".join(flags), "exact_match": em, "wall_s": wall,
             "mean_acceptance_length": mal, "server_exit": code}

@@ -110,8 +110,10 @@ class Request:
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         if n_out >= params.min_tokens:
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
-                self.stop_reason = token_id
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id  # like vLLM: the stop token id; None for EOS
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH

@@ -144,3 +144,23 @@ def test_prompt_logprobs(model_dir: Path) -> None:
     for pos in range(1, 20):
         entry = out.prompt_logprobs[pos]
         assert ids[pos] in entry and len(entry) >= 3
+
+
+def test_eos_finishes_with_stop_and_no_stop_reason(model_dir: Path) -> None:
+    """Regression: EOS used to be reported as stop_reason (vLLM reports None; only stop_token_ids
+    and stop strings set it)."""
+    llm = LLM(str(model_dir), dtype="float32")
+    prompt = _prompts([8], seed=2)
+    ids = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    first = ids.outputs[0].token_ids[0]
+    core = llm.engine  # make the first generated token this request's EOS
+    from phalanx.engine.engine_core import EngineCoreRequest
+
+    core.add_request(EngineCoreRequest("eos", prompt[0]["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=10)))
+    core.scheduler.requests["eos"].eos_token_ids = (first,)
+    finish = None
+    while core.has_unfinished_requests():
+        for o in core.step():
+            if o.finish_reason:
+                finish = (o.finish_reason, o.stop_reason, o.new_token_ids)
+    assert finish == ("stop", None, [first])

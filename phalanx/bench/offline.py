@@ -18,16 +18,7 @@ from typing import Any
 
 from phalanx.bench.datasets import BenchPrompt, load_jsonl, random_prompts
 from phalanx.bench.metrics import describe
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+from phalanx.entrypoints.cli import json_object_arg as _json_object
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _json_object(text: str) -> dict:
+def json_object_arg(text: str) -> dict:
+    """argparse type for flags that take a JSON object (e.g. --speculative-config)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -108,7 +109,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--speculative-config",
-        type=_json_object,
+        type=json_object_arg,
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "eagle", "model": PATH, '
         '"num_speculative_tokens": 3}\'',

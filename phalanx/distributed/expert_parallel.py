@@ -32,6 +32,7 @@ class EPExchange:
     ) -> torch.Tensor:  # x [T, H] with T the agreed padded size on every rank -> [T, H]
         t = x.shape[0]
         site = f"moe layer {self.layer_id}"
+        self.group.check_agreed(t, site)
         all_x = self.group.all_gather(x, f"{site} hidden")  # [dp * T, H]
         all_ids = self.group.all_gather(top_ids, f"{site} expert ids")  # [dp * T, k]
         all_w = self.group.all_gather(top_weights, f"{site} expert weights")  # [dp * T, k]

@@ -70,6 +70,7 @@ class DPGroup:
         self.check_collectives = check_collectives
         self.step = 0
         self._context = "engine"
+        self.agreed_tokens: int | None = None
         try:
             dist.init_process_group(
                 backend,
@@ -87,13 +88,23 @@ class DPGroup:
                 dist.destroy_process_group()
 
     @contextlib.contextmanager
-    def context(self, label: str) -> Iterator[None]:
-        """Label collectives issued inside (e.g. "target forward", "drafter pass 2")."""
-        old, self._context = self._context, label
+    def context(self, label: str, agreed_tokens: int | None = None) -> Iterator[None]:
+        """Label collectives issued inside (e.g. "target forward", "drafter pass 2") and record the
+        batch size the vote agreed on for this forward (None: no forward may exchange tokens)."""
+        old = (self._context, self.agreed_tokens)
+        self._context, self.agreed_tokens = label, agreed_tokens
         try:
             yield
         finally:
-            self._context = old
+            self._context, self.agreed_tokens = old
+
+    def check_agreed(self, num_tokens: int, site: str) -> None:
+        """Rule 2: a token exchange must run at the voted size; never guess one locally."""
+        if self.agreed_tokens != num_tokens:
+            raise DPError(
+                f"rank {self.rank}: {self._context}: {site} got {num_tokens} tokens but the vote agreed on "
+                f"{self.agreed_tokens} (a forward ran without a voted plan?)"
+            )
 
     # ---- collectives -------------------------------------------------------------------
     def _collective(self, site: str, op: Op, tensor: torch.Tensor, run: Callable[[], None]) -> None:

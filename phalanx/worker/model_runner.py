@@ -114,6 +114,7 @@ class ModelRunner:
         # Test-only switch (never set in production): skip the drafter without the vote, which is
         # exactly the seed's bug; the collective check must report it instead of hanging.
         self.skip_drafter_for_test = False
+        self._pass_sizes: tuple[int, ...] | None = None  # this step's voted drafter pass sizes
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, RunnerRequestState] = {}
@@ -122,11 +123,12 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.drafter_seconds = 0.0
 
-    def _context(self, label: str) -> AbstractContextManager[None]:
-        return self.group.context(label) if self.group is not None else nullcontext()
+    def _context(self, label: str, agreed_tokens: int | None = None) -> AbstractContextManager[None]:
+        return self.group.context(label, agreed_tokens) if self.group is not None else nullcontext()
 
     def _pass_context(self, j: int) -> AbstractContextManager[None]:
-        return self._context(f"drafter pass {j}")
+        sizes = self._pass_sizes
+        return self._context(f"drafter pass {j}", sizes[j - 1] if sizes and j <= len(sizes) else None)
 
     # ---- state diffs -----------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -216,7 +218,8 @@ class ModelRunner:
         )
         input_ids.extend([0] * num_pad)
         t0 = time.perf_counter()
-        with self._context("target forward"):
+        self._pass_sizes = plan.draft_pass_sizes if plan is not None else None
+        with self._context("target forward", plan.num_tokens if plan is not None else None):
             hidden, aux = self.model(
                 torch.tensor(input_ids, dtype=torch.int64), self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids
             )

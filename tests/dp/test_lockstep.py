@@ -33,6 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dense": dense,
         "eagle": make_eagle_head(dense, root / "eagle", "eagle"),
         "eagle3": make_eagle_head(dense, root / "eagle3", "eagle3"),
+        "draft": make_model("LlamaForCausalLM", root / "draft", seed=9, num_hidden_layers=1),
         "moe": moe,
         "moe_draft": make_model("MixtralForCausalLM", root / "moe_draft", seed=7, num_hidden_layers=1),
     }
@@ -82,6 +83,7 @@ CONFIGS = {
     "dense-lockstep+eagle": ("dense", "eagle", 2, dict(dp_lockstep=True)),
     "dense-lockstep+eagle3-3ranks": ("dense", "eagle3", 3, dict(dp_lockstep=True)),
     "dense-lockstep+ngram": ("dense", "ngram", 2, dict(dp_lockstep=True)),
+    "dense-lockstep+draft-model": ("dense", "draft", 2, dict(dp_lockstep=True)),
 }
 
 

@@ -143,6 +143,17 @@ def test_dense_forced_lockstep_with_eagle_under_load(models: dict[str, Path], tm
         assert server.stop() == 0, server.log()[-3000:]
 
 
+def test_dense_independent_ranks_with_eagle_under_load(models: dict[str, Path], tmp_path: Path) -> None:
+    """Dense ranks without lockstep (the default): each is a plain engine; outputs still exact."""
+    spec = json.dumps({"model": str(models["eagle"]), "num_speculative_tokens": 3})
+    server = start_server(models["dense"], tmp_path / "s.log", "-dp", "2", "--speculative-config", spec,
+                          "--max-model-len", "256")
+    try:
+        _check_load(server, models["dense"], seed=4)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
 def test_two_nodes_on_loopback(models: dict[str, Path], tmp_path: Path) -> None:
     rpc = free_port() + 7  # the head uses rpc .. rpc + 1 + dp
     common = ["-dp", "2", "--enable-expert-parallel", "--data-parallel-size-local", "1",

@@ -1,0 +1,43 @@
+"""ModelConfig.from_hf accepts configs written by transformers v4 and v5 (DESIGN §6)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from phalanx.config import ModelConfig
+
+V4 = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "head_dim": None, "eos_token_id": [7, 8],
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64},
+}
+
+
+def _write(folder: Path, cfg: dict, gen: dict | None = None) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if gen is not None:
+        (folder / "generation_config.json").write_text(json.dumps(gen))
+    return str(folder)
+
+
+def test_v4_style_config(tmp_path: Path) -> None:
+    cfg = ModelConfig.from_hf(_write(tmp_path / "v4", V4, {"eos_token_id": 9}))
+    assert cfg.dtype == torch.bfloat16  # torch_dtype, with dtype="auto"
+    assert cfg.head_dim == 16  # head_dim: null -> hidden / heads
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.eos_token_ids == (9, 7, 8)  # generation_config first, then config.json
+
+
+def test_v5_style_config(tmp_path: Path) -> None:
+    v5 = {k: v for k, v in V4.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    v5.update(dtype="float16", head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    cfg = ModelConfig.from_hf(_write(tmp_path / "v5", v5))
+    assert cfg.dtype == torch.float16 and cfg.head_dim == 32
+    assert cfg.rope_theta == 1234.0 and cfg.rope_scaling is None
+    assert ModelConfig.from_hf(str(tmp_path / "v5"), "float32").dtype == torch.float32

@@ -45,6 +45,9 @@ class AttentionMetadata:
     # [Bd, 1, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
     dec_mask: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
+    # Every token is its own one-token request (pure decode, no padding): the decode group's
+    # output rows are the batch rows in order, so no scatter is needed.
+    all_single_decode: bool = False
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
 
@@ -90,4 +93,5 @@ def build_attention_metadata(
             meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
     if num_pad:
         meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
+    meta.all_single_decode = not meta.prefills and total == num_reqs
     return meta

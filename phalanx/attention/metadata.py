@@ -93,5 +93,5 @@ def build_attention_metadata(
             meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
     if num_pad:
         meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
-    meta.all_single_decode = not meta.prefills and total == num_reqs
+    meta.all_single_decode = not meta.prefills and total == num_reqs > 0
     return meta

@@ -329,15 +329,26 @@ class ModelRunner:
         """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
         t0 = time.perf_counter()
-        targets = self.model.compute_logits(hidden).argmax(dim=-1).tolist()  # [rows]
+        targets = self.model.compute_logits(hidden).argmax(dim=-1)  # [rows]
         self.forward_seconds += time.perf_counter() - t0
-        row = 0
-        for i, st, drafts in zip(sampling, states, drafts_of):
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == targets[row + accepted]:
-                accepted += 1
-            tokens = drafts[:accepted] + [targets[row + accepted]]
-            row += len(drafts) + 1
+        num_drafts = torch.tensor([len(d) for d in drafts_of], dtype=torch.int64)  # [B]
+        k = int(num_drafts.max())
+        # Accepted prefix length per request, vectorised over the batch:
+        # rows of request b are [start_b, start_b + k_b]; draft j is accepted iff drafts 0..j all
+        # equal the target argmax at their row.
+        starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)  # [B]
+        if k:
+            cols = torch.arange(k)
+            valid = cols[None, :] < num_drafts[:, None]  # [B, k]
+            rows = (starts[:, None] + cols[None, :]).clamp(max=targets.shape[0] - 1)
+            drafts = torch.tensor([d + [-1] * (k - len(d)) for d in drafts_of], dtype=torch.int64)
+            match = (drafts == targets[rows]) & valid
+            accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)  # [B]
+        else:
+            accepted = torch.zeros_like(num_drafts)
+        final = targets[starts + accepted].tolist()  # the recovered / bonus token per request
+        for i, st, drafts_b, a, tok in zip(sampling, states, drafts_of, accepted.tolist(), final):
+            tokens = drafts_b[:a] + [tok]
             st.token_ids.extend(tokens)
             out.sampled_token_ids[i] = tokens
 

@@ -48,6 +48,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests that finished or were aborted since the previous step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests whose scheduled tokens reach their last token: they produce tokens (and drafts) this
+    # step. The one source of this fact for the runner and for the lockstep vote.
+    reaching_end: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

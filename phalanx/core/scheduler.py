@@ -114,6 +114,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
+        reaching_end: set[str] = set()
 
         # 1. Running requests catch up first, in admission order.
         i = 0
@@ -145,6 +146,8 @@ class Scheduler:
                 spec[req.req_id] = req.spec_token_ids[:num_spec]
             req.spec_token_ids = req.spec_token_ids[:num_spec]
             cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens))
+            if req.num_computed_tokens + num_new - num_spec == req.num_tokens:
+                reaching_end.add(req.req_id)
             budget -= num_new
             i += 1
 
@@ -182,6 +185,8 @@ class Scheduler:
                     NewRequestData(req.req_id, req.prompt_token_ids, req.sampling_params, block_ids, num_hit)
                 )
             num_scheduled[req.req_id] = num_new
+            if num_hit + num_new == req.num_tokens:
+                reaching_end.add(req.req_id)
             budget -= num_new
         self.waiting.extendleft(reversed(held_back))
 
@@ -194,6 +199,7 @@ class Scheduler:
             scheduled_spec_tokens=spec,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
+            reaching_end=reaching_end,
         )
 
     def _sibling_prefilling(self, req: Request) -> bool:

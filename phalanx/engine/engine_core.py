@@ -87,9 +87,13 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
-        result = self.runner.execute(sched)
-        outputs = self.scheduler.update_from_output(sched, result)
+        outputs = self._execute(sched, None)
         self.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput, plan: StepPlan | None) -> list[EngineCoreOutput]:
+        result = self.runner.execute(sched, plan)
+        outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
@@ -108,7 +112,7 @@ class EngineCore:
             has_work=self.has_unfinished_requests() or expecting_work,
             num_tokens=sched.total_num_scheduled_tokens,
             num_reqs=len(sched.num_scheduled_tokens),
-            num_sampling=self._num_sampling(sched),
+            num_sampling=len(sched.reaching_end),
             shutdown=shutdown,
             step=self.group.step,
         )
@@ -124,20 +128,7 @@ class EngineCore:
             # Nothing scheduled anywhere; the runner still drops finished requests' state.
             self.runner.execute(sched, plan)
             return [], plan
-        result = self.runner.execute(sched, plan)
-        outputs = self.scheduler.update_from_output(sched, result)
-        self.num_steps += 1
-        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
-        return outputs, plan
-
-    def _num_sampling(self, sched: SchedulerOutput) -> int:
-        """Requests whose scheduled tokens reach their end this step (they will get drafts)."""
-        count = 0
-        for req_id, n in sched.num_scheduled_tokens.items():
-            req = self.scheduler.requests[req_id]
-            drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
-            count += req.num_computed_tokens + n - drafts == req.num_tokens
-        return count
+        return self._execute(sched, plan), plan
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -8,6 +8,7 @@ Does not own: scheduling or model execution (``engine_core``), text handling (``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -170,7 +171,7 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         """Engine counters, including speculative-decoding acceptance (same figures as /metrics)."""
         s = self.engine.stats()
-        metrics: dict[str, Any] = dataclass_to_dict(s)
+        metrics: dict[str, Any] = dataclasses.asdict(s)
         metrics["num_steps"] = self.engine.num_steps
         runner = self.engine.runner
         if self.engine.step_seconds > 0:
@@ -187,9 +188,3 @@ class LLM:
             metrics["spec_mean_acceptance_length"] = 1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts
             metrics["spec_acceptance_rate_per_pos"] = [a / s.spec_num_drafts for a in s.spec_accepted_per_pos]
         return metrics
-
-
-def dataclass_to_dict(obj: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(obj)

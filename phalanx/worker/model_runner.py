@@ -198,7 +198,8 @@ class ModelRunner:
             if st.sampling_params.prompt_logprobs is not None and nc < st.num_prompt_tokens - 1:
                 count = min(real_end, len(st.prompt_token_ids) - 1) - nc
                 prompt_lp_reqs.append((i, nc, count))
-            if real_end == len(st.token_ids):
+            if req_id in sched.reaching_end:
+                assert real_end == len(st.token_ids), f"{req_id}: scheduler and runner disagree on its end"
                 sampling.append(i)
                 drafts_of.append(drafts)
                 last = offset + n - 1

@@ -44,6 +44,7 @@ def _fake_run(sched: SchedulerOutput, s: Scheduler, rng: random.Random, k: int) 
         n = sched.num_scheduled_tokens[rid]
         spec = sched.scheduled_spec_tokens.get(rid, [])
         caught_up = req.num_computed_tokens + n - len(spec) == req.num_tokens
+        assert caught_up == (rid in sched.reaching_end)  # the vote and the runner read this set
         if caught_up:
             accepted = rng.randint(0, len(spec))
             sampled.append(spec[:accepted] + [rng.randint(0, 50)])

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from phalanx.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
@@ -60,12 +61,6 @@ if __name__ == "__main__":  # the CPU backend spawns processes that re-import th
     sys.argv = ["vllm", *sys.argv[1:]]
     main()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- servers ------------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_util import free_port, start_server, stop_server  # noqa: E402
+from serve_util import start_server, stop_server  # noqa: E402
+
+from phalanx.net import free_port  # noqa: E402
 
 
 def _vote_rank(rank: int, size: int, port: int, votes: int, check: bool, out: mp.Queue) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,13 +10,9 @@ from pathlib import Path
 
 import httpx
 
+from phalanx.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(model: str, flags: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str]:

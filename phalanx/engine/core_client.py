@@ -25,16 +25,19 @@ import zmq
 import zmq.asyncio
 
 from phalanx.engine.core_process import (
+    HEARTBEAT_INTERVAL_S,
     AbortRequests,
     AddRequest,
     EngineFailed,
     EngineMessage,
     EngineProcessConfig,
     EngineReady,
+    Ping,
     Shutdown,
     run_engine_core,
 )
 from phalanx.engine.engine_core import EngineCoreRequest
+from phalanx.net import free_port
 
 logger = logging.getLogger("phalanx.engine")
 
@@ -94,14 +97,6 @@ def rank_addresses(dp: int, address: str | None, rpc_port: int | None, ipc_dir: 
     )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
     proc = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
@@ -140,6 +135,7 @@ class EngineCoreClient:
         self._output_address = self._addresses.output
         self._output_socket.bind(self._output_address)
         self.dead_message: str | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -173,6 +169,20 @@ class EngineCoreClient:
         if len(local) < dp:
             logger.info("waiting for %d remote engine rank(s) to connect", dp - len(local))
         await self._wait_ready()
+        if len(local) < dp:
+            self._heartbeat = asyncio.create_task(self._ping_remote_ranks())
+
+    async def _ping_remote_ranks(self) -> None:
+        """Remote ranks cannot watch this process; they stop when these pings stop."""
+        ping = self._encoder.encode(Ping())
+        while True:
+            for r in self.ranks:
+                if r.process is None:
+                    try:
+                        r.input_socket.send(ping, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # a queue full of pings: the rank is gone or stuck; its peers notice
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -260,6 +270,8 @@ class EngineCoreClient:
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         logger.info("shutting down %d engine rank(s)", len(self.ranks))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for r in self.ranks:
             if r.process is None or r.process.is_alive():
                 try:
@@ -324,6 +336,7 @@ def run_headless(
                     log_level=log_level,
                     num_threads=threads,
                     dist_init_method=addresses.dist_init_method,
+                    head_timeout_s=max(engine_args.dp_timeout, 5 * HEARTBEAT_INTERVAL_S),
                 )
             )
         )

@@ -11,6 +11,7 @@ rank connects a PULL to (its *input*); all ranks PUSH into one PULL socket the c
 *output*). Messages are tagged unions:
 
     client -> rank:  AddRequest(request) | AbortRequests(req_ids) | Shutdown()
+                     Ping()   every HEARTBEAT_INTERVAL_S, to ranks on other nodes only
     rank -> client:  EngineReady(rank, ...)          once, after the model is loaded
                      EngineOutputs(rank, outputs, stats)   after each step that produced output, and
                                                            whenever scheduler stats changed (throttled)
@@ -63,7 +64,11 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-ClientMessage = AddRequest | AbortRequests | Shutdown
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """The head's heartbeat to ranks on other nodes (they cannot watch its process)."""
+
+
+ClientMessage = AddRequest | AbortRequests | Shutdown | Ping
 
 # ---- messages: engine -> client ------------------------------------------------------------------
 
@@ -111,6 +116,12 @@ class EngineProcessConfig(msgspec.Struct):
     num_threads: int | None = None
     # torch.distributed rendezvous of the DP group (lockstep only), e.g. tcp://127.0.0.1:29500
     dist_init_method: str | None = None
+    # Ranks on another node than the API server (``--headless``) cannot watch its process: once the
+    # head has been heard from, silence (no message, not even a Ping) this long means it is gone.
+    head_timeout_s: float | None = None
+
+
+HEARTBEAT_INTERVAL_S = 1.0  # the head pings remote ranks this often
 
 
 # ---- the process ---------------------------------------------------------------------------------
@@ -218,6 +229,7 @@ class EngineCoreLoop:
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
+        self.last_heard: float | None = None  # last message from the head (None: not yet)
         self.stats_dirty = True
         self.last_stats_time = 0.0
 
@@ -231,6 +243,8 @@ class EngineCoreLoop:
                 return
             if os.getppid() != self.parent_pid:  # orphaned: nobody reads our outputs any more
                 logger.warning("the API server process is gone; engine rank %d exits", self.rank)
+                return
+            if self._head_silent():
                 return
             outputs: list[EngineCoreOutput] = []
             if self.engine.has_unfinished_requests():
@@ -252,6 +266,8 @@ class EngineCoreLoop:
             elif os.getppid() != self.parent_pid:
                 logger.warning("the parent process is gone; engine rank %d votes to stop", self.rank)
                 shutdown = True
+            elif self._head_silent():
+                shutdown = True
             outputs, plan = self.engine.step_lockstep(shutdown=shutdown)
             if outputs:
                 self.stats_dirty = True
@@ -260,6 +276,14 @@ class EngineCoreLoop:
                 logger.info("rank %d leaves the lockstep loop at step %d (shutdown voted)", self.rank, plan.step)
                 return
             busy = plan.run_forward  # others are busy: keep stepping without waiting
+
+    def _head_silent(self) -> bool:
+        """A remote rank's head went quiet for head_timeout_s (crashed, killed, network gone)."""
+        limit = self.cfg.head_timeout_s
+        if limit is None or self.last_heard is None or time.monotonic() - self.last_heard <= limit:
+            return False
+        logger.warning("the API server has been silent for %.0f s; engine rank %d stops", limit, self.rank)
+        return True
 
     def _drain_input(self) -> bool:
         """Handle every pending message; False on Shutdown."""
@@ -270,6 +294,9 @@ class EngineCoreLoop:
             except zmq.Again:
                 break
             msg = self.decoder.decode(raw)
+            self.last_heard = time.monotonic()
+            if isinstance(msg, Ping):
+                continue
             self.stats_dirty = True
             if isinstance(msg, AddRequest):
                 try:

@@ -199,7 +199,16 @@ class OutputProcessor:
             if engine_finished:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             return False
-        delta = child.detok.add_tokens(out.new_token_ids)
+        before = len(child.token_ids) - len(out.new_token_ids)
+        min_tokens = child.params.min_tokens
+        if before < min_tokens:
+            # As vLLM: stop strings only count in text of tokens past the first `min_tokens`; the
+            # text of those first tokens is released unchecked.
+            head = min(min_tokens - before, len(out.new_token_ids))
+            child.text += child.detok.add_tokens(out.new_token_ids[:head])
+            delta = child.detok.add_tokens(out.new_token_ids[head:])
+        else:
+            delta = child.detok.add_tokens(out.new_token_ids)
         if engine_finished:
             delta += child.detok.flush()
         emit, matched = child.stop.process(delta)

@@ -13,8 +13,8 @@ from phalanx.config import ModelConfig
 from phalanx.distributed.expert_parallel import install_expert_parallel
 from phalanx.distributed.group import DPError, DPGroup
 from phalanx.models.registry import load_model
+from phalanx.net import free_port
 from phalanx.worker.model_runner import allocate_kv_caches, target_layer_specs
-from tests.dp.harness import free_port
 from tests.tiny_models import make_model
 
 

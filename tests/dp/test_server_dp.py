@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from phalanx import LLM, SamplingParams
-from tests.e2e.conftest import MODEL_NAME, free_port, serve_command, start_server
+from phalanx.net import free_port
+from tests.e2e.conftest import MODEL_NAME, serve_command, start_server
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
 
@@ -176,6 +177,57 @@ def test_two_nodes_on_loopback(models: dict[str, Path], tmp_path: Path) -> None:
         finally:
             assert server.stop() == 0, server.log()[-3000:]
         assert headless.wait(30) == 0  # the head's Shutdown reached the remote rank
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        log.close()
+
+
+def test_headless_node_stops_when_its_head_dies(models: dict[str, Path], tmp_path: Path) -> None:
+    """Independent ranks: a remote rank cannot watch the head's process; the head's pings stop when
+    it dies, and the remote rank leaves after --dp-timeout instead of idling forever."""
+    rpc = free_port() + 11
+    common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(rpc), "--dp-timeout", "3", "--max-model-len", "256",
+              "--kv-cache-space", "0.05"]
+    log_path = tmp_path / "headless.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - the child keeps the descriptor
+    headless = subprocess.Popen(
+        serve_command(models["dense"], *common, "--data-parallel-start-rank", "1", "--headless"),
+        cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        time.sleep(5)  # longer than --dp-timeout: the clock only starts once the head speaks
+        server = start_server(models["dense"], tmp_path / "head.log", *common)
+        local_pids = server.engine_pids()
+        try:
+            reqs = _requests(8, seed=5)
+            for r in reqs:
+                r["kind"] = "plain"
+            results = asyncio.run(_load(server.base_url, reqs))  # both ranks serve some of them
+            ref = _reference(models["dense"], reqs)
+            assert all(text == ref[i] for i, text, _ in results)
+            assert headless.poll() is None
+            os.kill(server.proc.pid, signal.SIGKILL)  # the head dies without a Shutdown
+            server.proc.wait(10)
+            t0 = time.monotonic()
+            assert headless.wait(30) == 0
+            assert time.monotonic() - t0 < 20
+        finally:
+            server.stop()
+            for pid in local_pids:  # the head's own rank left on its own (parent gone)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.2)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                    raise AssertionError(f"the head's engine rank {pid} outlived it")
+        log.flush()
+        assert "silent" in log_path.read_text()
     finally:
         if headless.poll() is None:
             headless.kill()

@@ -257,3 +257,31 @@ def test_logprob_tokens_keep_sentencepiece_leading_space() -> None:
     ids = METASPACE.encode("Hello world", add_special_tokens=False)
     tokens = detokenize_logprobs(METASPACE, ids)
     assert tokens[0] == " Hello" and "".join(tokens) == " Hello world"
+
+
+@pytest.mark.parametrize("chunks", [[1] * 8, [3, 5], [8], [2, 2, 4]])
+def test_stop_strings_only_count_after_min_tokens(chunks: list[int]) -> None:
+    """As vLLM: text of the first `min_tokens` tokens is never matched against stop strings."""
+    from phalanx.core.outputs import EngineCoreOutput
+    from phalanx.engine.output_processor import OutputProcessor
+    from phalanx.sampling_params import SamplingParams
+
+    tok = make_byte_bpe_tokenizer()
+    ids = [tok.encode(c, add_special_tokens=False)[0] for c in "xyxyxyxy"]
+    assert tok.decode(ids) == "xyxyxyxy"
+    results = {}
+    for min_tokens in (0, 3, 4):
+        proc = OutputProcessor(tok)
+        [(child_id, _)] = proc.add_request("r", None, [ids[0]], SamplingParams(stop=["y"], min_tokens=min_tokens))
+        done, pos = None, 0
+        for n in chunks:
+            res = proc.process([EngineCoreOutput(child_id, ids[pos : pos + n])])
+            pos += n
+            if res.request_outputs and res.request_outputs[0].finished:
+                done = res.request_outputs[0].outputs[0]
+                break
+        assert done is not None and done.finish_reason == "stop" and done.stop_reason == "y"
+        results[min_tokens] = done.text
+    # min 0: cut at the first "y"; min 3 (tokens x y x released unchecked): the next "y" is token 4;
+    # min 4: tokens 1-4 unchecked, the first checked "y" is token 6.
+    assert results == {0: "x", 3: "xyx", 4: "xyxyx"}

@@ -1,4 +1,4 @@
-"""Regenerate the whole phalanx-math demo family from scratch (CPU, one thread per process).
+"""Regenerate the whole phalanx-math demo family from scratch (CPU; each stage sets its threads).
 
     python -m phalanx.demo.build_all [--seed 0] [--only data,target,draft,eagle,eagle3,moe,moe-draft,eval]
 
@@ -41,7 +41,7 @@ def main(argv=None):
 
     torch.set_num_threads(1)
     from phalanx.demo import data, tokenizer
-    from phalanx.demo.common import DATA_DIR, EVAL_TEST, TOK_DIR, WORK_DIR, Timer
+    from phalanx.demo.common import DATA_DIR, EVAL_TEST, TOK_DIR, Timer
     from phalanx.demo.train import main as train_main
 
     times = {}
@@ -53,16 +53,9 @@ def main(argv=None):
                 tokenizer.main(["--data", str(DATA_DIR), "--out", str(TOK_DIR)])
                 EVAL_TEST.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(DATA_DIR / "test.jsonl", EVAL_TEST)
-                cache = WORK_DIR / "target_outputs.jsonl"
-                if cache.exists():
-                    cache.unlink()
             elif step == "eval":
                 run_eval(a.seed)
-            else:
-                if step == "target":
-                    cache = WORK_DIR / "target_outputs.jsonl"
-                    if cache.exists():
-                        cache.unlink()                      # outputs of an older target
+            else:  # (the target's cached answers are keyed by its weights: see train.distill_rows)
                 train_main([step, "--seed", str(a.seed)])
         times[step] = round(t.elapsed)
     print(json.dumps({"wall_s": times, "total_s": round(time.time() - t_all)}))

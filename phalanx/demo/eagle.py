@@ -352,7 +352,12 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 # --------------------------------------------------------------------------- training
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
-          passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512) -> dict:
+          passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True) -> dict:
+    """Train an EAGLE head on the target's own greedy answers.
+
+    ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
+    threads for the training loop (the target features are computed in fp32 either way).
+    """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -481,6 +486,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
 
     train_pts, val_pts = [], []
     batches: list[list[int]] = []
+    torch.set_num_threads(threads)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     t0 = time.time()
     bar = tqdm(range(steps), desc=name, mininterval=5)
     for step in bar:
@@ -491,7 +498,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
         idx = batches.pop()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10))
-        loss, parts = loss_fn(idx)
+        with autocast:
+            loss, parts = loss_fn(idx)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()

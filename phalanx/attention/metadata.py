@@ -45,9 +45,10 @@ class AttentionMetadata:
     # [Bd, 1, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
     dec_mask: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
-    # Every token is its own one-token request (pure decode, no padding): the decode group's
-    # output rows are the batch rows in order, so no scatter is needed.
-    all_single_decode: bool = False
+    # Every request has the same short query length Q and there is no prefill or padding (pure
+    # decode: Q = 1; every request verifying k drafts: Q = k + 1): the flat batch is already the
+    # decode group's [R, Q] grid in order, so no gather or scatter is needed. 0 otherwise.
+    uniform_decode_len: int = 0
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
 
@@ -93,5 +94,7 @@ def build_attention_metadata(
             meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
     if num_pad:
         meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
-    meta.all_single_decode = not meta.prefills and total == num_reqs > 0
+    if not meta.prefills and num_reqs > 0 and total == num_reqs * int(q_lens[0]):
+        if bool((q_lens == q_lens[0]).all()):
+            meta.uniform_decode_len = int(q_lens[0])
     return meta

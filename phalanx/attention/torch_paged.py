@@ -29,9 +29,11 @@ def paged_attention(
     num_real = meta.slot_mapping.shape[0]  # padding tokens (lockstep) write nothing
     flat_k.index_copy_(0, meta.slot_mapping, k[:num_real])
     flat_v.index_copy_(0, meta.slot_mapping, v[:num_real])
-    if meta.all_single_decode:  # [T] one-token requests: [T, 1, H, D] in, rows already in order
+    if meta.uniform_decode_len:  # the flat batch is the decode group's [R, Q] grid, rows in order
         assert meta.dec_block_table is not None and meta.dec_mask is not None
-        return _decode_group_attention(q.unsqueeze(1), kv_cache, meta.dec_block_table, meta.dec_mask, scale)[:, 0]
+        t, h, d = q.shape
+        grid = q.view(t // meta.uniform_decode_len, meta.uniform_decode_len, h, d)
+        return _decode_group_attention(grid, kv_cache, meta.dec_block_table, meta.dec_mask, scale).view(t, h, d)
     out = torch.empty_like(q)
 
     if meta.dec_token_idx is not None:

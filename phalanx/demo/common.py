@@ -102,8 +102,15 @@ def plot_curves(path: Path, curves: dict[str, list[tuple[int, float]]], title: s
 
 
 def smooth(pts: list[tuple[int, float]], k: int = 20) -> list[tuple[int, float]]:
-    out, acc = [], []
+    """Moving average over the last k consecutive steps (sparse points, e.g. a stage's curve
+    reconstructed from its log, are left as they are)."""
+    out: list[tuple[int, float]] = []
+    acc: list[float] = []
+    prev = None
     for s, v in pts:
+        if prev is not None and s - prev > 1:
+            acc.clear()
+        prev = s
         acc.append(v)
         if len(acc) > k:
             acc.pop(0)

@@ -28,8 +28,12 @@ Training: target-generated text (greedy answers of the target to train
 questions), target features computed once, "training-time test" unrolling of
 ``--passes`` drafting steps with the matching attention mask (step j at
 position t sees true-feature keys at positions <= t-j and its own earlier
-steps' keys), EAGLE-1 with feature regression (smooth L1) + token CE, EAGLE-3
-with token CE.
+steps' keys). EAGLE-1: smooth-L1 regression of ``out`` on the target's final
+hidden state at t+1, + 0.5 x token CE. EAGLE-3: soft labels (the target's
+distribution over the draft vocabulary, as the reference trainer uses) + the
+same regression applied to ``norm(pre)`` (the head's lm_head starts from the
+target's rows, so matching the target's final hidden state means matching its
+logits), with ``fc`` initialised so that the fused feature starts at RMS 1.
 """
 
 from __future__ import annotations
@@ -352,7 +356,8 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 # --------------------------------------------------------------------------- training
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
-          passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True) -> dict:
+          passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True,
+          aux_ids: list[int] | None = None, out_name: str | None = None) -> dict:
     """Train an EAGLE head on the target's own greedy answers.
 
     ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
@@ -376,8 +381,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     from phalanx.demo.train import N_DISTILL, distill_rows
 
     eagle3 = kind == "eagle3"
-    name = "phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle"
-    steps = steps or (700 if eagle3 else 400)
+    name = out_name or ("phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle")
+    steps = steps or 2400
     rows = distill_rows(seed, n_seqs or N_DISTILL)
     setup(seed)
     tok = load_tokenizer()
@@ -385,7 +390,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     for p in target.parameters():
         p.requires_grad_(False)
     tcfg = target.config
-    aux_ids = default_aux_ids(tcfg.num_hidden_layers)
+    aux_ids = aux_ids or default_aux_ids(tcfg.num_hidden_layers)
 
     # sequences: prompt + target answer + <|end|>; answer_start for the loss mask
     seqs, starts = [], []
@@ -434,6 +439,13 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
                 f = aux[i, :len(sq)] if eagle3 else last[i, :len(sq)]
                 feats.append((f.to(torch.bfloat16), last[i, :len(sq)].to(torch.bfloat16)))
 
+    if eagle3:
+        # The target's residual stream is large (RMS ~80 after layer 0 here, against ~1 for the head's
+        # own activations); a default-initialised fc would make g, which is also the head's residual,
+        # swamp its attention and MLP for hundreds of steps. Start g at RMS 1 instead.
+        with torch.no_grad():
+            sample = torch.cat([f for f, _ in feats[:64]]).float()
+            head.fc.weight.mul_(1.0 / head.fc(sample).pow(2).mean().sqrt())
     val_n = 256
     tr_idx = list(range(val_n, len(seqs)))
     rng = random.Random(seed)
@@ -464,6 +476,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
         return tok_in, f0, f_next, lab, pos
 
     pass_w = [0.8 ** j for j in range(passes)]
+    # EAGLE-3: the target's lm_head rows of the draft vocabulary (for its soft labels)
+    keep_head = target.get_output_embeddings().weight.detach()[keep].float() if eagle3 else None
 
     def loss_fn(idx, train_mode=True):
         tok_in, f0, f_next, lab, pos = batch_tensors(idx)
@@ -475,9 +489,18 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
             lab_j = lab.clone()
             lab_j[:, :j] = -100                                # pass j needs a real chain start
             ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab_j.reshape(-1), ignore_index=-100)
-            loss = ce
-            if not eagle3:
-                m = (lab_j >= 0).unsqueeze(-1).float()
+            m = (lab_j >= 0).unsqueeze(-1).float()
+            if eagle3:
+                # soft labels over the draft vocabulary, plus the normed output regressed on the
+                # target's final (normed) hidden state at t+1, which the head's lm_head (initialised
+                # from the target's rows) turns into the target's own logits
+                target_p = torch.softmax(f_next @ keep_head.t(), dim=-1)
+                soft = -(target_p * torch.log_softmax(lg.float(), dim=-1)).sum(-1, keepdim=True)
+                soft = (soft * m).sum() / m.sum()
+                normed = head.norm(pre)
+                reg = (F.smooth_l1_loss(normed, f_next, reduction="none") * m).sum() / (m.sum() * pre.shape[-1])
+                loss = reg + 0.5 * soft
+            else:
                 reg = (F.smooth_l1_loss(pre, f_next, reduction="none") * m).sum() / (m.sum() * pre.shape[-1])
                 loss = reg + 0.5 * ce
             total = total + pass_w[j] * loss

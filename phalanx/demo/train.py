@@ -244,6 +244,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="override: one stage of this many steps")
     ap.add_argument("--resume-stage", type=int, default=0,
                     help="continue from the saved folder with this stage (target / draft / moe)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of an EAGLE head's training loop")
     a = ap.parse_args(argv)
     if not (DATA_DIR / "train.jsonl").exists():
         raise SystemExit("no data: run `python -m phalanx.demo.build_all --only data` first")
@@ -259,7 +260,7 @@ def main(argv=None):
     else:
         from phalanx.demo import eagle
 
-        eagle.train(a.what, a.seed, a.steps)
+        eagle.train(a.what, a.seed, a.steps, threads=a.threads)
     print(f"total wall time {time.time() - t0:.0f}s", flush=True)
 
 

@@ -61,6 +61,10 @@ def build_attention_metadata(
     num_pad: int = 0,
 ) -> AttentionMetadata:
     num_reqs = q_lens.shape[0]
+    if num_pad == 0 and num_reqs > 0:
+        q0 = int(q_lens[0])
+        if q0 <= DECODE_GROUP_MAX_QUERY and bool((q_lens == q0).all()):
+            return _uniform_metadata(q0, num_computed, block_table, block_size)
     total = int(q_lens.sum())
     starts = torch.cumsum(q_lens, 0) - q_lens  # [R] first flat index of each request
     req_of_token = torch.repeat_interleave(torch.arange(num_reqs), q_lens)  # [T]
@@ -94,7 +98,30 @@ def build_attention_metadata(
             meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
     if num_pad:
         meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
-    if not meta.prefills and num_reqs > 0 and total == num_reqs * int(q_lens[0]):
-        if bool((q_lens == q_lens[0]).all()):
-            meta.uniform_decode_len = int(q_lens[0])
     return meta
+
+
+def _uniform_metadata(
+    q: int, num_computed: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """Every request has the same short query length q and there is no padding (pure decode; every
+    request verifying k drafts; a drafter's one-token passes): the same metadata as the general
+    path, built with a handful of ops, and the batch is the decode grid as it stands."""
+    num_reqs = num_computed.shape[0]
+    offs = torch.arange(q)
+    q_pos = num_computed[:, None] + offs[None, :]  # [R, q]
+    positions = q_pos.reshape(-1)
+    slot_mapping = (torch.gather(block_table, 1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)
+    num_blocks = (int(num_computed.max()) + q + block_size - 1) // block_size
+    key_pos = torch.arange(num_blocks * block_size)
+    return AttentionMetadata(
+        num_tokens=num_reqs * q,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        dec_token_idx=torch.arange(num_reqs * q).view(num_reqs, q),
+        dec_valid=torch.ones(num_reqs, q, dtype=torch.bool),
+        dec_block_table=block_table[:, :num_blocks],
+        dec_mask=(key_pos[None, None, :] > q_pos[:, :, None])[:, None, :, None, :],
+        prefills=[],
+        uniform_decode_len=q,
+    )

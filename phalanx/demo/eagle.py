@@ -361,7 +361,9 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     """Train an EAGLE head on the target's own greedy answers.
 
     ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
-    threads for the training loop (the target features are computed in fp32 either way).
+    threads for the training loop (the target features are computed in fp32 either way);
+    ``aux_ids`` / ``out_name``: EAGLE-3 target layers and output folder, for experiments (the
+    defaults build the committed heads).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -441,8 +443,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
 
     if eagle3:
         # The target's residual stream is large (RMS ~80 after layer 0 here, against ~1 for the head's
-        # own activations); a default-initialised fc would make g, which is also the head's residual,
-        # swamp its attention and MLP for hundreds of steps. Start g at RMS 1 instead.
+        # own activations) and g is also the head's residual: start g at RMS 1. (Measured: the first
+        # 150-300 steps' CE is the same either way; the gap to EAGLE-1 is not an init problem.)
         with torch.no_grad():
             sample = torch.cat([f for f, _ in feats[:64]]).float()
             head.fc.weight.mul_(1.0 / head.fc(sample).pow(2).mean().sqrt())

@@ -47,7 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--c1-prompts", type=int, default=16)
+    parser.add_argument("--c1-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -3,7 +3,6 @@ start-up errors exit non-zero with a clear message, the CLI documents its flags.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -267,29 +266,34 @@ def test_cli_help_documents_every_flag(capsys, caplog) -> None:
         assert flag in serve, flag
 
 
-def test_demo_default_and_speculative_flag(tiny_model: Path, capsys, caplog) -> None:
-    """No MODEL means the built-in demo; until it is trained (or while the engine lacks speculative
-    decoding) the command says so and exits non-zero instead of serving something else."""
-    from phalanx.demo import resolve_model_path
-    from phalanx.engine.args import EngineArgs
-
-    has_spec = "speculative_config" in {f.name for f in dataclasses.fields(EngineArgs)}
-    if not Path(resolve_model_path("phalanx-math")).is_dir():
-        code, out = _cli(capsys, caplog, "serve", "--port", "1")
-        assert code != 0 and "phalanx-math" in out and "not in this install" in out
-    if not has_spec:
-        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-        code, out = _cli(
-            capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1"
-        )
-        assert code == 2 and "--speculative-config is not supported" in out
+def test_speculative_flag_errors(tiny_model: Path, capsys, caplog) -> None:
+    """A malformed --speculative-config, or one the engine rejects, is a usage error (exit 2)."""
     code, out = _cli(
         capsys, caplog, "serve", str(tiny_model), "--speculative-config", "{not json", "--port", "1"
     )
     assert code == 2 and "JSON" in out
-    if has_spec:  # the engine's own validation of the speculative config reaches the user
-        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
-        code, out = _cli(
-            capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1"
-        )
-        assert code == 2 and "num_speculative_tokens" in out
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
+    code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--speculative-config", spec, "--port", "1")
+    assert code == 2 and "num_speculative_tokens" in out
+
+
+def test_no_model_serves_the_demo_with_eagle(tmp_path: Path) -> None:
+    """`phalanx serve` with no MODEL is the built-in demo with its EAGLE head (k = 3): it answers a
+    held-out question correctly and its drafts are accepted."""
+    import re
+
+    from phalanx.demo.data import extract_answer
+
+    row = json.loads((REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open().readline())
+    server = start_server(None, tmp_path / "s.log", "--served-model-name", "phalanx-math", timeout=180)
+    try:
+        body = {"model": "phalanx-math", "messages": [{"role": "user", "content": row["question"]}],
+                "temperature": 0, "max_tokens": 96}
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert extract_answer(r.json()["choices"][0]["message"]["content"]) == extract_answer(row["answer"])
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        accepted = re.findall(r"^phalanx:spec_decode_num_accepted_tokens_total(?:\{[^}]*\})? ([0-9.e+]+)$", metrics, re.M)
+        assert accepted and sum(float(a) for a in accepted) > 0, metrics[-2000:]
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

@@ -30,9 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from phalanx.net import free_port
+from phalanx.net import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
@@ -72,18 +70,10 @@ class Server:
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {start_timeout:.0f} s; see {log}")
+        why = wait_until_healthy(self.proc, f"http://127.0.0.1:{self.port}", start_timeout, interval_s=1.0)
+        if why is not None:
+            self.stop()
+            raise RuntimeError(f"{why}; see {log}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

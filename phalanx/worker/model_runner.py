@@ -283,6 +283,13 @@ class ModelRunner:
         )
         return self.proposer.propose(batch)
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head (float32 logits), counted as model-forward time in the overhead figure."""
+        t0 = time.perf_counter()
+        logits = self.model.compute_logits(hidden)
+        self.forward_seconds += time.perf_counter() - t0
+        return logits
+
     def _sample(
         self,
         req_ids: list[str],
@@ -303,9 +310,7 @@ class ModelRunner:
             self.eos_token_ids,
             hidden.device,
         )
-        t0 = time.perf_counter()
-        logits = self.model.compute_logits(hidden)  # [rows, V] float32
-        self.forward_seconds += time.perf_counter() - t0
+        logits = self._logits(hidden)  # [rows, V] float32
         result = rejection_sample(drafts_of, None, logits, meta, self.sampler)
         want_logprobs = meta.max_num_logprobs is not None
         if want_logprobs:
@@ -329,9 +334,7 @@ class ModelRunner:
     ) -> None:
         """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
-        t0 = time.perf_counter()
-        targets = self.model.compute_logits(hidden).argmax(dim=-1)  # [rows]
-        self.forward_seconds += time.perf_counter() - t0
+        targets = self._logits(hidden).argmax(dim=-1)  # [rows]
         num_drafts = torch.tensor([len(d) for d in drafts_of], dtype=torch.int64)  # [B]
         k = int(num_drafts.max())
         # Accepted prefix length per request, vectorised over the batch:
@@ -369,7 +372,7 @@ class ModelRunner:
             num_top = st.sampling_params.prompt_logprobs or 0
             rows = hidden[starts[i] : starts[i] + count]
             targets = torch.tensor(st.prompt_token_ids[first_pos + 1 : first_pos + 1 + count], dtype=torch.int64)
-            lp = compute_token_logprobs(self.model.compute_logits(rows), targets, num_top)
+            lp = compute_token_logprobs(self._logits(rows), targets, num_top)
             entries: list[TokenLogprobs | None] = [None] if first_pos == 0 else []
             entries.extend(_to_token_logprobs(lp, num_top))
             out.prompt_logprobs[req_ids[i]] = entries

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from phalanx.net import free_port
+from phalanx.net import free_port, wait_until_healthy
 from tests.tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,18 +92,11 @@ def start_server(
             cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
     server = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    why = wait_until_healthy(proc, server.base_url, timeout)
+    if why is None:
+        return server
     server.stop()
-    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+    raise RuntimeError(f"{why}:\n{server.log()}")
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,9 @@ class PhalanxRunner:
     def __init__(self, model_dir: str, dtype: str, max_num_seqs: int) -> None:
         from phalanx import LLM
 
-        self.llm = LLM(model_dir, dtype=dtype, max_num_seqs=max_num_seqs)
+        # No prefix caching: with --repeats > 1 every run after the first would find its prompts
+        # cached, which transformers' `generate` cannot do; both sides prefill every run.
+        self.llm = LLM(model_dir, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
 
     def run(self, work: list[tuple[list[int], int]]) -> float:
         from phalanx import SamplingParams

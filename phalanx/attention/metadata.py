@@ -42,7 +42,7 @@ class AttentionMetadata:
     dec_token_idx: torch.Tensor | None = None  # [Bd, Qd] int64 into the flat batch (padded with 0)
     dec_valid: torch.Tensor | None = None  # [Bd, Qd] bool
     dec_block_table: torch.Tensor | None = None  # [Bd, NBd] int64
-    # [Bd, 1, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
+    # [Bd, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
     dec_mask: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
     # Every request has the same short query length Q and there is no prefill or padding (pure
@@ -88,7 +88,7 @@ def build_attention_metadata(
         meta.dec_block_table = block_table[dec_rows, :num_blocks]
         q_pos = num_computed[dec_rows][:, None] + offs[None, :]  # [Bd, Qd]
         key_pos = torch.arange(num_blocks * block_size)
-        meta.dec_mask = (key_pos[None, None, :] > q_pos[:, :, None])[:, None, :, None, :]
+        meta.dec_mask = (key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :]
     pre_rows = torch.nonzero(~is_dec).flatten().tolist()
     meta.prefills = []
     if pre_rows:
@@ -121,7 +121,7 @@ def _uniform_metadata(
         dec_token_idx=torch.arange(num_reqs * q).view(num_reqs, q),
         dec_valid=torch.ones(num_reqs, q, dtype=torch.bool),
         dec_block_table=block_table[:, :num_blocks],
-        dec_mask=(key_pos[None, None, :] > q_pos[:, :, None])[:, None, :, None, :],
+        dec_mask=(key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :],
         prefills=[],
         uniform_decode_len=q,
     )

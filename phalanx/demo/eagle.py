@@ -119,26 +119,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, eagle3: bool):
+    """Layer 0 of a head takes the token embedding and the feature (EAGLE-3: two normed halves
+    concatenated, EAGLE-1: fc's output, no input norm); layers 1.. are plain pre-norm Llama layers
+    on the residual stream (vLLM's multi-layer EAGLE / EAGLE-3 heads)."""
+
+    def __init__(self, cfg: dict, eagle3: bool, first: bool = True):
         super().__init__()
         H = cfg["hidden_size"]
         hd = cfg.get("head_dim") or H // cfg["num_attention_heads"]
-        self.eagle3 = eagle3
-        self.self_attn = Attention(2 * H if eagle3 else H, H, cfg["num_attention_heads"],
+        self.eagle3, self.first = eagle3, first
+        self.self_attn = Attention(2 * H if eagle3 and first else H, H, cfg["num_attention_heads"],
                                    cfg["num_key_value_heads"], hd)
         self.mlp = MLP(H, cfg["intermediate_size"])
         self.post_attention_layernorm = RMSNorm(H, cfg["rms_norm_eps"])
-        if eagle3:
+        if eagle3 or not first:
             self.input_layernorm = RMSNorm(H, cfg["rms_norm_eps"])
+        if eagle3 and first:
             self.hidden_norm = RMSNorm(H, cfg["rms_norm_eps"])
 
 
 class EagleHead(nn.Module):
-    """One EAGLE-1 (eagle3=False) or EAGLE-3 (eagle3=True) head.
+    """One EAGLE-1 (eagle3=False) or EAGLE-3 (eagle3=True) head of ``num_hidden_layers`` layers.
 
-    Parameter names equal the on-disk names (EAGLE-3 ``layers.0`` is saved as
-    ``midlayer``).  ``embed`` / ``target_lm_head`` are the target's, frozen,
-    and not saved.
+    Parameter names equal the on-disk names (a one-layer EAGLE-3 head's ``layers.0`` is saved as
+    ``midlayer``).  ``embed`` / ``target_lm_head`` are the target's, frozen, and not saved.
     """
 
     def __init__(self, cfg: dict, eagle3: bool, embed: torch.Tensor, target_lm_head: torch.Tensor):
@@ -146,7 +150,8 @@ class EagleHead(nn.Module):
         self.cfg, self.eagle3 = cfg, eagle3
         H = cfg["hidden_size"]
         self.fc = nn.Linear((3 if eagle3 else 2) * H, H, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, eagle3)])
+        n = int(cfg.get("num_hidden_layers", 1))
+        self.layers = nn.ModuleList([DecoderLayer(cfg, eagle3, first=i == 0) for i in range(n)])
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
         if eagle3:
             dv = cfg["draft_vocab_size"]
@@ -163,7 +168,7 @@ class EagleHead(nn.Module):
         return self.fc(aux) if self.eagle3 else aux
 
     def layer_in(self, tok: torch.Tensor, feat: torch.Tensor):
-        """Attention input and residual for token ids ``tok`` and (fused) features ``feat``."""
+        """Layer 0's attention input and residual for token ids ``tok`` and (fused) features ``feat``."""
         e = F.embedding(tok, self.embed)
         lyr = self.layers[0]
         if self.eagle3:
@@ -172,11 +177,26 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([e, feat], dim=-1))
         return x, x
 
-    def layer_out(self, attn_out, residual):
-        lyr = self.layers[0]
+    def layer_out(self, attn_out, residual, li: int = 0):
+        lyr = self.layers[li]
         r = residual + attn_out
         pre = r + lyr.mlp(lyr.post_attention_layernorm(r))
         return pre
+
+    def forward_layers(self, tok, feat, cos, sin, ks: list[list], vs: list[list], mask):
+        """All layers for one pass: appends each layer's new keys / values to ``ks[li]`` / ``vs[li]``
+        and attends over everything they hold under ``mask``. Returns ``pre`` [B, T, H]."""
+        h = None
+        for li, lyr in enumerate(self.layers):
+            if li == 0:
+                x, res = self.layer_in(tok, feat)
+            else:
+                x, res = lyr.input_layernorm(h), h
+            q, k, v = lyr.self_attn.qkv(x, cos, sin)
+            ks[li].append(k)
+            vs[li].append(v)
+            h = self.layer_out(lyr.self_attn.attend(q, ks[li], vs[li], mask), res, li)
+        return h
 
     def logits(self, pre: torch.Tensor) -> torch.Tensor:
         """Logits over the head's own vocabulary (target vocab for EAGLE-1, draft vocab for EAGLE-3)."""
@@ -198,26 +218,23 @@ class EagleHead(nn.Module):
 
         Returns the list of per-pass outputs ``pre`` [B,T,H]; pass j at position t
         uses as feature the pass j-1 output at t-1 and sees true-feature keys at
-        positions <= t-j plus its own chain's keys of passes 1..j.
+        positions <= t-j plus its own chain's keys of passes 1..j (in every layer).
         """
         B, T = tok.shape
         hd = self.layers[0].self_attn.hd
         cos, sin = rope_cos_sin(pos, hd, self.cfg["rope_theta"])
         cos, sin = cos[:, None], sin[:, None]
-        attn = self.layers[0].self_attn
         t = torch.arange(T)
-        ks, vs, outs = [], [], []
+        ks: list[list] = [[] for _ in self.layers]
+        vs: list[list] = [[] for _ in self.layers]
+        outs = []
         feat = feat0
         for j in range(passes):
-            x, res = self.layer_in(tok, feat)
-            q, k, v = attn.qkv(x, cos, sin)
-            ks.append(k)
-            vs.append(v)
             masks = [t[None, :] <= (t[:, None] - j)]          # pass-0 keys
             for i in range(1, j + 1):
                 masks.append(t[None, :] == (t[:, None] - j + i))
             mask = torch.cat(masks, dim=1)                     # [T, T*(j+1)]
-            pre = self.layer_out(attn.attend(q, ks, vs, mask), res)
+            pre = self.forward_layers(tok, feat, cos, sin, ks, vs, mask)
             outs.append(pre)
             # next pass: own output of the previous position replaces the feature
             nxt = torch.cat([feat0[:, :1], pre[:, :-1]], dim=1)
@@ -233,16 +250,15 @@ class EagleHead(nn.Module):
         """
         toks, feats = list(tok.tolist()), [feat0]
         drafted = []
+        hd = self.layers[0].self_attn.hd
         for _ in range(k):
             T = len(toks)
             f = torch.cat(feats, dim=0)[None]
-            x, res = self.layer_in(torch.tensor(toks)[None], f)
-            hd = self.layers[0].self_attn.hd
             cos, sin = rope_cos_sin(torch.arange(T)[None], hd, self.cfg["rope_theta"])
-            attn = self.layers[0].self_attn
-            q, kk, v = attn.qkv(x, cos[:, None], sin[:, None])
             mask = torch.ones(T, T, dtype=torch.bool).tril()
-            pre = self.layer_out(attn.attend(q, [kk], [v], mask), res)[0, -1]
+            ks: list[list] = [[] for _ in self.layers]
+            vs: list[list] = [[] for _ in self.layers]
+            pre = self.forward_layers(torch.tensor(toks)[None], f, cos[:, None], sin[:, None], ks, vs, mask)[0, -1]
             nxt = int(self.target_logits(pre).argmax())
             drafted.append(nxt)
             toks.append(nxt)
@@ -251,14 +267,15 @@ class EagleHead(nn.Module):
 
 
 # --------------------------------------------------------------------------- save / load
-def head_config(target_cfg, eagle3: bool, draft_vocab: int | None, aux_ids: list[int] | None) -> dict:
+def head_config(target_cfg, eagle3: bool, draft_vocab: int | None, aux_ids: list[int] | None,
+                num_layers: int = 1) -> dict:
     H = target_cfg.hidden_size
     cfg = {
         "architectures": ["Eagle3LlamaForCausalLM" if eagle3 else "EagleLlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": H,
         "intermediate_size": target_cfg.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": target_cfg.num_attention_heads,
         "num_key_value_heads": target_cfg.num_key_value_heads,
         "head_dim": H // target_cfg.num_attention_heads,
@@ -293,7 +310,7 @@ def state_dict_on_disk(head: EagleHead) -> dict[str, torch.Tensor]:
         if name in ("embed", "target_lm_head"):
             continue
         disk = name
-        if head.eagle3 and name.startswith("layers.0."):
+        if head.eagle3 and len(head.layers) == 1 and name.startswith("layers.0."):
             disk = "midlayer." + name[len("layers.0."):]
         if name in ("d2t", "t2d"):
             out[disk] = t.clone()
@@ -355,15 +372,18 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- training
+HEAD_LAYERS = {"eagle": 1, "eagle3": 1}
+
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
           passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True,
-          aux_ids: list[int] | None = None, out_name: str | None = None) -> dict:
+          aux_ids: list[int] | None = None, out_name: str | None = None, layers: int | None = None) -> dict:
     """Train an EAGLE head on the target's own greedy answers.
 
     ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
     threads for the training loop (the target features are computed in fp32 either way);
-    ``aux_ids`` / ``out_name``: EAGLE-3 target layers and output folder, for experiments (the
-    defaults build the committed heads).
+    ``aux_ids`` / ``out_name``: EAGLE-3 target layers and output folder, for experiments;
+    ``layers``: decoder layers in the head (default `HEAD_LAYERS[kind]`; the defaults build the
+    committed heads).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -418,7 +438,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
         cover = cnt[keep].sum().item() / cnt.sum().item()
         print(f"draft vocab {draft_vocab}/{tcfg.vocab_size}: covers {cover * 100:.2f}% of answer tokens", flush=True)
 
-    cfg = head_config(tcfg, eagle3, draft_vocab if eagle3 else None, aux_ids if eagle3 else None)
+    layers = layers or HEAD_LAYERS[kind]
+    cfg = head_config(tcfg, eagle3, draft_vocab if eagle3 else None, aux_ids if eagle3 else None, layers)
     head = EagleHead(cfg, eagle3, target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     if eagle3:
         head.d2t.copy_(d2t)

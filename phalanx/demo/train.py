@@ -245,6 +245,8 @@ def main(argv=None):
     ap.add_argument("--resume-stage", type=int, default=0,
                     help="continue from the saved folder with this stage (target / draft / moe)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of an EAGLE head's training loop")
+    ap.add_argument("--head-layers", type=int, default=None, help="decoder layers of an EAGLE head (experiments)")
+    ap.add_argument("--out-name", default=None, help="output folder name of an EAGLE head (experiments)")
     a = ap.parse_args(argv)
     if not (DATA_DIR / "train.jsonl").exists():
         raise SystemExit("no data: run `python -m phalanx.demo.build_all --only data` first")
@@ -260,7 +262,7 @@ def main(argv=None):
     else:
         from phalanx.demo import eagle
 
-        eagle.train(a.what, a.seed, a.steps, threads=a.threads)
+        eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name)
     print(f"total wall time {time.time() - t0:.0f}s", flush=True)
 
 

@@ -12,6 +12,9 @@ EAGLE-3: g = fc([a_1; a_2; a_3]) over three target layers' residual streams (fir
     h = [input_norm(e_t); hidden_norm(g)];  r = g + attn(h);  pre = r + mlp(post_norm(r));
     logits = lm_head(norm(pre)) over the draft vocabulary; target id = draft id + d2t[draft id];
 `pre` is fed back as g for the next pass.
+Heads with `num_hidden_layers` > 1 (both kinds, as vLLM's `llama_eagle` / `llama_eagle3`) run
+plain pre-norm Llama layers (`layers.1`, ...) on `out` / `pre` before the logits, each with its
+own KV cache; the last layer's output is what is fed back.
 """
 
 from __future__ import annotations
@@ -98,6 +101,13 @@ class _HeadBase(nn.Module):
         self.lm_head = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=self.config.dtype)
 
 
+def _more_layers(cfg: ModelConfig, rotary: RotaryEmbedding) -> list[nn.Module]:
+    """Layers 1.. of a multi-layer head: plain pre-norm decoder layers (vLLM's layout)."""
+    if cfg.num_layers < 1:
+        raise ValueError(f"an EAGLE head needs num_hidden_layers >= 1, got {cfg.num_layers}")
+    return [DecoderLayer(cfg, i, rotary) for i in range(1, cfg.num_layers)]
+
+
 class Eagle1Head(_HeadBase):
     num_aux_layers = 0
 
@@ -107,7 +117,7 @@ class Eagle1Head(_HeadBase):
         self.fc = nn.Linear(2 * h, h, bias=bool(cfg.hf_config.get("bias", False)))
         layer = DecoderLayer(cfg, 0, self.rotary)
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
-        self.layers = nn.ModuleList([layer])
+        self.layers = nn.ModuleList([layer] + _more_layers(cfg, self.rotary))
         self.lm_head: nn.Linear | None = None
 
     def forward(
@@ -117,8 +127,9 @@ class Eagle1Head(_HeadBase):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden for logits, hidden fed back), both [T, H]
-        x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
-        out = self.layers[0](x, kv_caches[0], meta)
+        out = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            out = layer(out, kv, meta)
         return out, out
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids
@@ -159,7 +170,7 @@ class Eagle3Head(_HeadBase):
             raise ValueError(f"EAGLE-3 aux layer ids {self.aux_layer_ids} are invalid for a {n}-layer target")
         target_h = int(hf.get("target_hidden_size") or h)
         self.fc = nn.Linear(3 * target_h, h, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(cfg, self.rotary)])
+        self.layers = nn.ModuleList([Eagle3Layer(cfg, self.rotary), *_more_layers(cfg, self.rotary)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         draft_vocab = int(hf.get("draft_vocab_size") or cfg.vocab_size)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
@@ -176,6 +187,8 @@ class Eagle3Head(_HeadBase):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pre = self.layers[0](self.embed(input_ids), hidden, kv_caches[0], meta)
+        for layer, kv in zip(self.layers[1:], kv_caches[1:], strict=True):
+            pre = layer(pre, kv, meta)
         return self.norm(pre), pre
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] normed -> [N] target ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
 from phalanx.distributed.expert_parallel import install_expert_parallel
 from phalanx.distributed.group import DPGroup
@@ -58,7 +59,7 @@ class DraftModelProposer:
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
-        self.block_size = kv_caches[0].shape[2]
+        self.block_size = cache_block_size(kv_caches[0])
 
     def start_request(self, req_id: str, num_computed: int) -> None:
         self._computed[req_id] = num_computed

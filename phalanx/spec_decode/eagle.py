@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
 from phalanx.models.eagle import Eagle3Head, load_eagle_head
 from phalanx.models.llama import CausalLM
@@ -46,11 +47,11 @@ class EagleProposer:
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         cfg = self.head.config
-        return [(cfg.num_kv_heads, cfg.head_dim)]
+        return [(cfg.num_kv_heads, cfg.head_dim)] * len(self.head.layers)
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
-        self.block_size = kv_caches[0].shape[2]
+        self.block_size = cache_block_size(kv_caches[0])
 
     def start_request(self, req_id: str, num_computed: int) -> None:
         pass  # the head's progress is the target's num_computed

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.attention.metadata import build_attention_metadata
+from phalanx.attention.torch_paged import kv_cache_shape
 from phalanx.config import EngineConfig, ModelConfig
 from phalanx.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from phalanx.distributed.expert_parallel import install_expert_parallel
@@ -77,7 +78,7 @@ def target_layer_specs(m: ModelConfig) -> list[tuple[int, int]]:
 def allocate_kv_caches(
     layer_specs: list[tuple[int, int]], num_blocks: int, block_size: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    return [torch.zeros((2, num_blocks, block_size, kvh, hd), dtype=dtype) for kvh, hd in layer_specs]
+    return [torch.zeros(kv_cache_shape(num_blocks, block_size, kvh, hd), dtype=dtype) for kvh, hd in layer_specs]
 
 
 class ModelRunner:

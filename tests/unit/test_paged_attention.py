@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.attention.metadata import DECODE_GROUP_MAX_QUERY, build_attention_metadata
-from phalanx.attention.torch_paged import paged_attention
+from phalanx.attention.torch_paged import kv_cache_shape, paged_attention
 
 H, KVH, D, BS, NUM_BLOCKS = 4, 2, 8, 4, 96
 
@@ -43,7 +43,7 @@ def test_paged_attention_matches_dense_reference(case) -> None:
     reqs, num_pad, seed = case
     gen = torch.Generator().manual_seed(seed)
     scale = D**-0.5
-    kv = torch.zeros(2, NUM_BLOCKS, BS, KVH, D)
+    kv = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, KVH, D))  # [2, KVH, blocks, BS, D]
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # blocks in scattered order
     max_blocks = max((nc + q + BS - 1) // BS for nc, q in reqs)
     table = torch.zeros(len(reqs), max_blocks, dtype=torch.int64)
@@ -53,8 +53,8 @@ def test_paged_attention_matches_dense_reference(case) -> None:
         table[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
         k_all, v_all = torch.randn(nc + q, KVH, D, generator=gen), torch.randn(nc + q, KVH, D, generator=gen)
         for pos in range(nc):  # the cached context
-            kv[0, table[r, pos // BS], pos % BS] = k_all[pos]
-            kv[1, table[r, pos // BS], pos % BS] = v_all[pos]
+            kv[0, :, table[r, pos // BS], pos % BS] = k_all[pos]
+            kv[1, :, table[r, pos // BS], pos % BS] = v_all[pos]
         full_k.append(k_all)
         full_v.append(v_all)
         qs.append(torch.randn(q, H, D, generator=gen))
@@ -78,4 +78,5 @@ def test_paged_attention_matches_dense_reference(case) -> None:
     # the new tokens' K/V landed in their slots
     for r, (nc, q) in enumerate(reqs):
         for pos in range(nc, nc + q):
-            assert torch.equal(kv[0, table[r, pos // BS], pos % BS], full_k[r][pos])
+            assert torch.equal(kv[0, :, table[r, pos // BS], pos % BS], full_k[r][pos])
+            assert torch.equal(kv[1, :, table[r, pos // BS], pos % BS], full_v[r][pos])

@@ -1,0 +1,100 @@
+"""EAGLE heads in the engine against an independent reference: the demo trainer's pure-PyTorch head
+(`phalanx.demo.eagle.EagleHead`, the one the acceptance simulation uses), on random one- and
+two-layer EAGLE-1 / EAGLE-3 checkpoints in vLLM's format. A two-layer head must also draft
+losslessly end to end (greedy spec == no spec) and its checkpoint must be complete."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.attention.metadata import build_attention_metadata
+from phalanx.config import ModelConfig
+from phalanx.models.eagle import load_eagle_head
+from phalanx.models.registry import load_model
+from phalanx.worker.model_runner import allocate_kv_caches
+from tests.tiny_models import load_hf, make_eagle_head, make_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("LlamaForCausalLM", tmp_path_factory.mktemp("heads") / "target", num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_engine_head_matches_reference_head(method: str, num_layers: int, target: Path, tmp_path: Path) -> None:
+    from phalanx.demo.eagle import load_head, rope_cos_sin
+
+    folder = make_eagle_head(target, tmp_path / "head", method, seed=3, num_layers=num_layers)
+    cfg = ModelConfig.from_hf(str(target), "float32")
+    head = load_eagle_head(str(folder), method, load_model(cfg))
+    assert len(head.layers) == num_layers
+    ref = load_head(folder, load_hf(target))
+    assert len(ref.layers) == num_layers
+
+    t, block = 11, 4
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, cfg.vocab_size, (t,), generator=g)
+    feats = torch.randn(t, cfg.hidden_size, generator=g)
+    specs = [(head.config.num_kv_heads, head.config.head_dim)] * num_layers
+    kv = allocate_kv_caches(specs, 8, block, torch.float32)
+    table = torch.tensor([[5, 2, 7]])  # scattered blocks
+    meta = build_attention_metadata(torch.tensor([t]), torch.tensor([0]), table, block)
+    with torch.inference_mode():
+        normed, fed_back = head(tokens, feats, kv, meta)
+        drafted = head.draft_token_ids(normed)
+    with torch.no_grad():
+        cos, sin = rope_cos_sin(torch.arange(t)[None], ref.layers[0].self_attn.hd, ref.cfg["rope_theta"])
+        ks: list[list] = [[] for _ in ref.layers]
+        vs: list[list] = [[] for _ in ref.layers]
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        pre = ref.forward_layers(tokens[None], feats[None], cos[:, None], sin[:, None], ks, vs, mask)[0]
+        ref_ids = ref.target_logits(pre).argmax(dim=-1)
+    torch.testing.assert_close(fed_back, pre, atol=2e-4, rtol=2e-4)
+    assert drafted.tolist() == ref_ids.tolist()
+    # decode one more position over the cached keys: the same as the reference over t + 1 tokens
+    nxt_tok, nxt_feat = torch.tensor([9]), torch.randn(1, cfg.hidden_size, generator=g)
+    meta2 = build_attention_metadata(torch.tensor([1]), torch.tensor([t]), table, block)
+    with torch.inference_mode():
+        _, fed2 = head(nxt_tok, nxt_feat, kv, meta2)
+    with torch.no_grad():
+        cos, sin = rope_cos_sin(torch.arange(t + 1)[None], ref.layers[0].self_attn.hd, ref.cfg["rope_theta"])
+        ks = [[] for _ in ref.layers]
+        vs = [[] for _ in ref.layers]
+        mask = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
+        pre2 = ref.forward_layers(torch.cat([tokens, nxt_tok])[None], torch.cat([feats, nxt_feat])[None],
+                                  cos[:, None], sin[:, None], ks, vs, mask)[0, -1:]
+    torch.testing.assert_close(fed2, pre2, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_two_layer_head_drafts_losslessly(method: str, target: Path, tmp_path: Path) -> None:
+    head = make_eagle_head(target, tmp_path / "head", method, seed=4, num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (n,), generator=g).tolist()} for n in (4, 19, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref = LLM(str(target), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), dtype="float32", block_size=8,
+              speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.get_metrics()["spec_num_drafts"] > 0
+    assert len(llm.engine.runner.proposer.kv_cache_spec()) == 2  # one KV cache per head layer
+
+
+def test_head_missing_a_layer_is_refused(target: Path, tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    folder = make_eagle_head(target, tmp_path / "head", "eagle3", num_layers=2)
+    w = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if not k.startswith("layers.1.")}
+    save_file(w, str(folder / "model.safetensors"))
+    cfg = ModelConfig.from_hf(str(target), "float32")
+    with pytest.raises(ValueError, match="lacks weights for"):
+        load_eagle_head(str(folder), "eagle3", load_model(cfg))
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.layers.linear import PackedLinear, prepack_supported
+
 
 class ExpertExchange(Protocol):
     """Runs the routed experts for a batch, possibly across ranks (expert parallelism)."""
@@ -51,6 +53,14 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.exchange: ExpertExchange | None = None
+        # bf16 on CPU: per-expert (w13, w2) packed for oneDNN once loaded (`prepack`)
+        self.packed_experts: list[tuple[PackedLinear, PackedLinear]] | None = None
+
+    def prepack(self) -> None:
+        """Pack this rank's expert weights for oneDNN (after loading; layers.linear). The stacked
+        dense tensors stay: they are small next to a dense model's layers."""
+        if prepack_supported(self.w13.dtype):
+            self.packed_experts = [(PackedLinear(a, None), PackedLinear(b, None)) for a, b in zip(self.w13, self.w2)]
 
     def shard(self, first: int, last: int) -> None:
         """Keep only experts [first, last) (expert parallelism); call before loading weights."""
@@ -77,9 +87,13 @@ class SparseMoE(nn.Module):
             if not first <= e < last:
                 continue
             tok, slot = torch.where(top_ids == e)
-            gate_up = F.linear(x[tok], self.w13[e - first])
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[e - first])
+            if self.packed_experts is not None:
+                up_proj, down_proj = self.packed_experts[e - first]
+                gate, up = up_proj(x[tok]).chunk(2, dim=-1)
+                h = down_proj(F.silu(gate) * up)
+            else:
+                gate, up = F.linear(x[tok], self.w13[e - first]).chunk(2, dim=-1)
+                h = F.linear(F.silu(gate) * up, self.w2[e - first])
             out.index_add_(0, tok, (h * top_weights[tok, slot, None]).to(x.dtype))
         return out
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.config import ModelConfig
+from phalanx.layers.linear import prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
@@ -118,7 +119,7 @@ class Eagle1Head(_HeadBase):
         layer = DecoderLayer(cfg, 0, self.rotary)
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.layers = nn.ModuleList([layer] + _more_layers(cfg, self.rotary))
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -133,10 +134,9 @@ class Eagle1Head(_HeadBase):
         return out, out
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids
-        weight = self.lm_head.weight if self.lm_head is not None else None
-        if weight is None:
+        if self.lm_head is None:
             return self.target[0].compute_logits(hidden).argmax(dim=-1)
-        return torch.nn.functional.linear(hidden, weight).argmax(dim=-1)
+        return self.lm_head(hidden).argmax(dim=-1)
 
 
 class Eagle3Layer(nn.Module):
@@ -206,4 +206,7 @@ def load_eagle_head(folder: str, method: str, target: CausalLM) -> Eagle1Head | 
     finally:
         torch.set_default_dtype(old)
     head.load(iterate_weights(folder))
-    return head.eval()
+    head.eval()
+    if prepack_supported(cfg.dtype):
+        prepack_linears(head)  # after loading, like the target (layers.linear)
+    return head

@@ -18,6 +18,7 @@ from torch import nn
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.attention.torch_paged import paged_attention
 from phalanx.config import ModelConfig
+from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.moe import SparseMoE
 from phalanx.layers.norm import RMSNorm
@@ -103,7 +104,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module | None = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.tied_head: PackedLinear | None = None  # the embedding packed as the logits head (prepack)
 
     @property
     def num_layers(self) -> int:
@@ -121,16 +125,32 @@ class CausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layer_ids:
-                aux.append(x)
+                captured[i] = x
             x = layer(x, kv_caches[i], meta)
-        return self.model.norm(x), aux
+        # in the order the head lists them (a repeated id repeats its layer)
+        return self.model.norm(x), [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head is not None:
+            return self.tied_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def prepack(self) -> None:
+        """bf16 on CPU: pack every linear, the experts and the logits head for oneDNN once, after
+        loading (``layers.linear``; bitwise the same results, faster). No-op otherwise."""
+        if not prepack_supported(self.config.dtype):
+            return
+        prepack_linears(self)
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.prepack()
+        if self.lm_head is None:
+            self.tied_head = PackedLinear(self.model.embed_tokens.weight, None)
 
     # ---- checkpoint names -> parameters ---------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

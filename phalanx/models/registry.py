@@ -42,4 +42,5 @@ def load_model(cfg: ModelConfig, expert_shard: tuple[int, int] | None = None) ->
                 module.shard(*expert_range(module.num_experts, rank, size))
     model.load_weights(iterate_weights(cfg.path))  # type: ignore[attr-defined]
     model.eval()
+    model.prepack()  # type: ignore[attr-defined]
     return model  # type: ignore[return-value]

@@ -98,3 +98,17 @@ def test_head_missing_a_layer_is_refused(target: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="lacks weights for"):
         load_eagle_head(str(folder), "eagle3", load_model(cfg))
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_aux_hidden_states_follow_the_heads_order(target: Path) -> None:
+    """EAGLE-3 features come back in the order the head lists its layers, a repeated id repeated
+    (a 2-layer target's default ids (0, 1, 1) have one): fc sees exactly 3 x hidden columns."""
+    cfg = ModelConfig.from_hf(str(target), "float32")
+    model = load_model(cfg)
+    kv = allocate_kv_caches([(cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers, 4, 4, torch.float32)
+    meta = build_attention_metadata(torch.tensor([3]), torch.tensor([0]), torch.tensor([[0]]), 4)
+    with torch.inference_mode():
+        _, aux = model(torch.tensor([5, 6, 7]), kv, meta, aux_layer_ids=(2, 0, 2))
+        _, sorted_aux = model(torch.tensor([5, 6, 7]), kv, meta, aux_layer_ids=(0, 2))
+    assert len(aux) == 3
+    assert torch.equal(aux[0], sorted_aux[1]) and torch.equal(aux[1], sorted_aux[0]) and torch.equal(aux[2], aux[0])

@@ -376,14 +376,16 @@ HEAD_LAYERS = {"eagle": 1, "eagle3": 1}
 
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
           passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True,
-          aux_ids: list[int] | None = None, out_name: str | None = None, layers: int | None = None) -> dict:
+          aux_ids: list[int] | None = None, out_name: str | None = None, layers: int | None = None,
+          init_from: str | None = None) -> dict:
     """Train an EAGLE head on the target's own greedy answers.
 
     ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
     threads for the training loop (the target features are computed in fp32 either way);
     ``aux_ids`` / ``out_name``: EAGLE-3 target layers and output folder, for experiments;
     ``layers``: decoder layers in the head (default `HEAD_LAYERS[kind]`; the defaults build the
-    committed heads).
+    committed heads); ``init_from``: a saved head folder to continue from (a second stage with a
+    fresh optimizer and schedule; its loss curve is prepended from ``<name>-curve.json``).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -462,7 +464,15 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
                 f = aux[i, :len(sq)] if eagle3 else last[i, :len(sq)]
                 feats.append((f.to(torch.bfloat16), last[i, :len(sq)].to(torch.bfloat16)))
 
-    if eagle3:
+    prior_curve = {"train": [], "val": [], "stages": []}
+    if init_from is not None:
+        prev = load_head(init_from, target)
+        assert prev.cfg == cfg, f"{init_from} was trained with another configuration"
+        head.load_state_dict(prev.state_dict())
+        curve_file = WORK_DIR / "results" / f"{Path(init_from).name}-curve.json"
+        if curve_file.exists():
+            prior_curve = json.loads(curve_file.read_text())
+    elif eagle3:
         # The target's residual stream is large (RMS ~80 after layer 0 here, against ~1 for the head's
         # own activations) and g is also the head's residual: start g at RMS 1. (Measured: the first
         # 150-300 steps' CE is the same either way; the gap to EAGLE-1 is not an init problem.)
@@ -530,7 +540,9 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
             parts.append(ce.item())
         return total / sum(pass_w), parts
 
-    train_pts, val_pts = [], []
+    offset = sum(st["steps"] for st in prior_curve["stages"])
+    train_pts = [tuple(x) for x in prior_curve["train"]]
+    val_pts = [tuple(x) for x in prior_curve["val"]]
     batches: list[list[int]] = []
     torch.set_num_threads(threads)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
@@ -550,12 +562,12 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        train_pts.append((step, loss.item()))
+        train_pts.append((offset + step, loss.item()))
         bar.set_postfix(loss=f"{loss.item():.3f}", ce=",".join(f"{c:.2f}" for c in parts))
         if (step + 1) % 150 == 0 or step + 1 == steps:
             with torch.no_grad():
                 vl, vparts = loss_fn(list(range(0, 128)))
-            val_pts.append((step, vl.item()))
+            val_pts.append((offset + step, vl.item()))
             print(f"\nstep {step + 1}: train {loss.item():.4f} val {vl.item():.4f} val-ce/pass "
                   f"{[round(c, 3) for c in vparts]} ({time.time() - t0:.0f}s)", flush=True)
     train_time = time.time() - t0
@@ -563,10 +575,13 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     save_head(head, cfg, MODELS_DIR / name, TOK_DIR)
     plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
                 f"{name} ({nparams / 1e6:.2f}M params)")
-    res = {"name": name, "params": nparams, "steps": steps, "batch": batch, "passes": passes,
-           "train_time_s": round(train_time), "final_val_loss": val_pts[-1][1], "seed": seed,
-           "aux_ids": aux_ids if eagle3 else None}
+    stages = prior_curve["stages"] + [{"steps": steps, "lr": lr, "train_time_s": round(train_time)}]
+    res = {"name": name, "params": nparams, "steps": offset + steps, "batch": batch, "passes": passes,
+           "layers": layers, "stages": stages, "train_time_s": sum(st["train_time_s"] for st in stages),
+           "final_val_loss": val_pts[-1][1], "seed": seed, "aux_ids": aux_ids if eagle3 else None}
     print(json.dumps(res), flush=True)
     (WORK_DIR / "results").mkdir(parents=True, exist_ok=True)
+    (WORK_DIR / "results" / f"{name}-curve.json").write_text(
+        json.dumps({"train": train_pts, "val": val_pts, "stages": stages}))
     (WORK_DIR / "results" / f"{name}.json").write_text(json.dumps(res, indent=1))
     return res

@@ -247,6 +247,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch threads of an EAGLE head's training loop")
     ap.add_argument("--head-layers", type=int, default=None, help="decoder layers of an EAGLE head (experiments)")
     ap.add_argument("--out-name", default=None, help="output folder name of an EAGLE head (experiments)")
+    ap.add_argument("--init-from", default=None, help="EAGLE head folder to continue training from (a next stage)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate of an EAGLE head stage")
     a = ap.parse_args(argv)
     if not (DATA_DIR / "train.jsonl").exists():
         raise SystemExit("no data: run `python -m phalanx.demo.build_all --only data` first")
@@ -262,7 +264,9 @@ def main(argv=None):
     else:
         from phalanx.demo import eagle
 
-        eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name)
+        extra = {"lr": a.lr} if a.lr is not None else {}
+        eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name,
+                    init_from=a.init_from, **extra)
     print(f"total wall time {time.time() - t0:.0f}s", flush=True)
 
 

@@ -49,3 +49,13 @@ def test_report_writes_tables_and_plots_between_markers(tmp_path, monkeypatch) -
     assert "| phalanx-serve | none | 2 | 9.0 (0.90×) | 50.0 (1.25×) |" in text
     for name in ("bench_throughput_vs_concurrency", "bench_spec_speedup", "bench_dp_scaling"):
         assert (doc.parent / "img" / f"{name}.png").stat().st_size > 1000
+
+
+def test_repeated_runs_report_their_median() -> None:
+    compare = _compare_module()
+    runs = [_rec("vllm", "none", 1, 1, t) for t in (200.0, 180.0, 221.0)] + [_rec("vllm", "none", 1, 16, 1100.0)]
+    latest = compare._latest(runs)
+    assert latest[("vllm", "none", 1, 1)]["output_throughput"] == 200.0
+    assert latest[("vllm", "none", 1, 1)]["runs"] == 3 and latest[("vllm", "none", 1, 16)]["runs"] == 1
+    two = compare._latest([_rec("vllm", "none", 1, 1, 5.0), _rec("vllm", "none", 1, 1, 9.0)])
+    assert two[("vllm", "none", 1, 1)]["output_throughput"] == 5.0  # the lower middle of an even count

@@ -372,7 +372,27 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- training
-HEAD_LAYERS = {"eagle": 1, "eagle3": 1}
+# EAGLE-3 reads the residual stream entering target layers, never the last layer's output; a second
+# head layer lets it redo that layer's work (one layer stalls at 3.55 accepted tokens per step on the
+# 6-layer demo target, two reach ~3.87, EAGLE-1 3.90: docs/demo-models.md).
+HEAD_LAYERS = {"eagle": 1, "eagle3": 2}
+# The committed heads' recipes: (steps, peak lr) per stage; stage i > 0 continues from stage i - 1's
+# saved head with a fresh optimizer and schedule.
+HEAD_STAGES = {"eagle": [(2400, 2e-3)], "eagle3": [(2400, 2e-3), (2400, 1e-3)]}
+
+
+def train_committed(kind: str, seed: int = 0, threads: int = 2, resume_stage: int = 0) -> list[dict]:
+    """Build the committed ``kind`` head: every stage of `HEAD_STAGES[kind]` from ``resume_stage``
+    on (a resumed stage continues from the committed folder)."""
+    name = "phalanx-math-eagle3" if kind == "eagle3" else "phalanx-math-eagle"
+    out = []
+    for i, (steps, lr) in enumerate(HEAD_STAGES[kind]):
+        if i < resume_stage:
+            continue
+        init = str(MODELS_DIR / name) if i > 0 else None
+        out.append(train(kind, seed, steps, lr=lr, threads=threads, init_from=init))
+    return out
+
 
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
           passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True,

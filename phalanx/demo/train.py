@@ -243,7 +243,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="override: one stage of this many steps")
     ap.add_argument("--resume-stage", type=int, default=0,
-                    help="continue from the saved folder with this stage (target / draft / moe)")
+                    help="continue from the saved folder with this stage (target / draft / moe / EAGLE heads)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of an EAGLE head's training loop")
     ap.add_argument("--head-layers", type=int, default=None, help="decoder layers of an EAGLE head (experiments)")
     ap.add_argument("--out-name", default=None, help="output folder name of an EAGLE head (experiments)")
@@ -264,9 +264,12 @@ def main(argv=None):
     else:
         from phalanx.demo import eagle
 
-        extra = {"lr": a.lr} if a.lr is not None else {}
-        eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name,
-                    init_from=a.init_from, **extra)
+        if (a.steps, a.head_layers, a.out_name, a.init_from, a.lr) == (None,) * 5:
+            eagle.train_committed(a.what, a.seed, threads=a.threads, resume_stage=a.resume_stage)
+        else:  # one experimental stage
+            extra = {"lr": a.lr} if a.lr is not None else {}
+            eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name,
+                        init_from=a.init_from, **extra)
     print(f"total wall time {time.time() - t0:.0f}s", flush=True)
 
 

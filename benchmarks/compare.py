@@ -100,6 +100,13 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     launcher.write_text(VLLM_LAUNCHER)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", TMPDIR=str(tmp), HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1")
+    # vLLM's "auto" binding reserves a core for its front end and pins the engine to the rest: one
+    # core of this 2-core machine, against phalanx's 2 torch threads. "all" gives its OpenMP threads
+    # every core, like phalanx (with -dp N each rank needs its own list: pass one with --vllm-omp-bind).
+    bind = args.vllm_omp_bind
+    if bind == "all":
+        bind = f"0-{(os.cpu_count() or 1) - 1}" if dp == 1 else "auto"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     cmd = [args.vllm_python, str(launcher), "serve", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1", "--port", str(free_port())]
     if dp > 1:
@@ -392,6 +399,9 @@ def main() -> int:
     r.add_argument("--no-baseline", dest="include_no_spec", action="store_false")
     r.add_argument("--dp", default="1", help="data-parallel sizes for server engines, comma-separated")
     r.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    r.add_argument("--vllm-omp-bind", default="all",
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'all' cores (dp 1; like phalanx), 'auto' (vLLM's "
+                        "default: reserves one core here), or an explicit list such as '0-1' or '0|1'")
     r.add_argument("--start-timeout", type=float, default=300.0)
     r.add_argument("--request-timeout", type=float, default=900.0)
     r.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per offline run")

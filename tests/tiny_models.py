@@ -86,33 +86,27 @@ def make_eagle_head(target: Path, folder: Path, method: str = "eagle", seed: int
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.05
 
-    in_attn = 2 * h if method == "eagle3" else h
+    def layer(prefix: str, in_features: int) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}self_attn.q_proj.weight": rnd(heads * hd, in_features),
+            f"{prefix}self_attn.k_proj.weight": rnd(kv * hd, in_features),
+            f"{prefix}self_attn.v_proj.weight": rnd(kv * hd, in_features),
+            f"{prefix}self_attn.o_proj.weight": rnd(h, heads * hd),
+            f"{prefix}mlp.gate_proj.weight": rnd(inter, h),
+            f"{prefix}mlp.up_proj.weight": rnd(inter, h),
+            f"{prefix}mlp.down_proj.weight": rnd(h, inter),
+        }
+
     prefix = "midlayer." if method == "eagle3" and num_layers == 1 else "layers.0."
-    w = {
-        f"{prefix}self_attn.q_proj.weight": rnd(heads * hd, in_attn),
-        f"{prefix}self_attn.k_proj.weight": rnd(kv * hd, in_attn),
-        f"{prefix}self_attn.v_proj.weight": rnd(kv * hd, in_attn),
-        f"{prefix}self_attn.o_proj.weight": rnd(h, heads * hd),
-        f"{prefix}mlp.gate_proj.weight": rnd(inter, h),
-        f"{prefix}mlp.up_proj.weight": rnd(inter, h),
-        f"{prefix}mlp.down_proj.weight": rnd(h, inter),
-        f"{prefix}post_attention_layernorm.weight": torch.ones(h),
-    }
+    w = layer(prefix, 2 * h if method == "eagle3" else h)
+    w[f"{prefix}post_attention_layernorm.weight"] = torch.ones(h)
     head_cfg = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                      "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings")}
     head_cfg.update(num_hidden_layers=num_layers, model_type="llama", rope_theta=10000.0)
     for i in range(1, num_layers):  # plain pre-norm decoder layers on the residual stream
-        w.update({
-            f"layers.{i}.self_attn.q_proj.weight": rnd(heads * hd, h),
-            f"layers.{i}.self_attn.k_proj.weight": rnd(kv * hd, h),
-            f"layers.{i}.self_attn.v_proj.weight": rnd(kv * hd, h),
-            f"layers.{i}.self_attn.o_proj.weight": rnd(h, heads * hd),
-            f"layers.{i}.mlp.gate_proj.weight": rnd(inter, h),
-            f"layers.{i}.mlp.up_proj.weight": rnd(inter, h),
-            f"layers.{i}.mlp.down_proj.weight": rnd(h, inter),
-            f"layers.{i}.input_layernorm.weight": 1.0 + rnd(h),
-            f"layers.{i}.post_attention_layernorm.weight": 1.0 + rnd(h),
-        })
+        w.update(layer(f"layers.{i}.", h))
+        w[f"layers.{i}.input_layernorm.weight"] = 1.0 + rnd(h)
+        w[f"layers.{i}.post_attention_layernorm.weight"] = 1.0 + rnd(h)
     if method == "eagle3":
         n = cfg["num_hidden_layers"]
         draft_vocab = cfg["vocab_size"] // 2

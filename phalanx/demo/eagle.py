@@ -381,10 +381,14 @@ HEAD_LAYERS = {"eagle": 1, "eagle3": 2}
 HEAD_STAGES = {"eagle": [(2400, 2e-3)], "eagle3": [(2400, 2e-3), (2400, 1e-3)]}
 
 
+def committed_name(kind: str) -> str:
+    return "phalanx-math-eagle3" if kind == "eagle3" else "phalanx-math-eagle"
+
+
 def train_committed(kind: str, seed: int = 0, threads: int = 2, resume_stage: int = 0) -> list[dict]:
     """Build the committed ``kind`` head: every stage of `HEAD_STAGES[kind]` from ``resume_stage``
     on (a resumed stage continues from the committed folder)."""
-    name = "phalanx-math-eagle3" if kind == "eagle3" else "phalanx-math-eagle"
+    name = committed_name(kind)
     out = []
     for i, (steps, lr) in enumerate(HEAD_STAGES[kind]):
         if i < resume_stage:
@@ -425,7 +429,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     from phalanx.demo.train import N_DISTILL, distill_rows
 
     eagle3 = kind == "eagle3"
-    name = out_name or ("phalanx-math-eagle3" if eagle3 else "phalanx-math-eagle")
+    name = out_name or committed_name(kind)
     steps = steps or 2400
     rows = distill_rows(seed, n_seqs or N_DISTILL)
     setup(seed)

@@ -32,7 +32,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "dense": dense,
         "eagle": make_eagle_head(dense, root / "eagle", "eagle"),
-        "eagle3": make_eagle_head(dense, root / "eagle3", "eagle3"),
+        "eagle3": make_eagle_head(dense, root / "eagle3", "eagle3", num_layers=2),  # like the built-in head
         "draft": make_model("LlamaForCausalLM", root / "draft", seed=9, num_hidden_layers=1),
         "moe": moe,
         "moe_draft": make_model("MixtralForCausalLM", root / "moe_draft", seed=7, num_hidden_layers=1),

@@ -198,6 +198,15 @@ class EagleHead(nn.Module):
             h = self.layer_out(lyr.self_attn.attend(q, ks[li], vs[li], mask), res, li)
         return h
 
+    def causal_forward(self, tok: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """One pass over one sequence (no batch dim), causal, positions 0..T-1: ``pre`` [T, H]."""
+        T = tok.shape[0]
+        cos, sin = rope_cos_sin(torch.arange(T)[None], self.layers[0].self_attn.hd, self.cfg["rope_theta"])
+        ks: list[list] = [[] for _ in self.layers]
+        vs: list[list] = [[] for _ in self.layers]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        return self.forward_layers(tok[None], feat[None], cos[:, None], sin[:, None], ks, vs, mask)[0]
+
     def logits(self, pre: torch.Tensor) -> torch.Tensor:
         """Logits over the head's own vocabulary (target vocab for EAGLE-1, draft vocab for EAGLE-3)."""
         if self.eagle3:
@@ -250,15 +259,8 @@ class EagleHead(nn.Module):
         """
         toks, feats = list(tok.tolist()), [feat0]
         drafted = []
-        hd = self.layers[0].self_attn.hd
         for _ in range(k):
-            T = len(toks)
-            f = torch.cat(feats, dim=0)[None]
-            cos, sin = rope_cos_sin(torch.arange(T)[None], hd, self.cfg["rope_theta"])
-            mask = torch.ones(T, T, dtype=torch.bool).tril()
-            ks: list[list] = [[] for _ in self.layers]
-            vs: list[list] = [[] for _ in self.layers]
-            pre = self.forward_layers(torch.tensor(toks)[None], f, cos[:, None], sin[:, None], ks, vs, mask)[0, -1]
+            pre = self.causal_forward(torch.tensor(toks), torch.cat(feats, dim=0))[-1]
             nxt = int(self.target_logits(pre).argmax())
             drafted.append(nxt)
             toks.append(nxt)

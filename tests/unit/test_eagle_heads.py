@@ -27,7 +27,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_engine_head_matches_reference_head(method: str, num_layers: int, target: Path, tmp_path: Path) -> None:
-    from phalanx.demo.eagle import load_head, rope_cos_sin
+    from phalanx.demo.eagle import load_head
 
     folder = make_eagle_head(target, tmp_path / "head", method, seed=3, num_layers=num_layers)
     cfg = ModelConfig.from_hf(str(target), "float32")
@@ -48,11 +48,7 @@ def test_engine_head_matches_reference_head(method: str, num_layers: int, target
         normed, fed_back = head(tokens, feats, kv, meta)
         drafted = head.draft_token_ids(normed)
     with torch.no_grad():
-        cos, sin = rope_cos_sin(torch.arange(t)[None], ref.layers[0].self_attn.hd, ref.cfg["rope_theta"])
-        ks: list[list] = [[] for _ in ref.layers]
-        vs: list[list] = [[] for _ in ref.layers]
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        pre = ref.forward_layers(tokens[None], feats[None], cos[:, None], sin[:, None], ks, vs, mask)[0]
+        pre = ref.causal_forward(tokens, feats)
         ref_ids = ref.target_logits(pre).argmax(dim=-1)
     torch.testing.assert_close(fed_back, pre, atol=2e-4, rtol=2e-4)
     assert drafted.tolist() == ref_ids.tolist()
@@ -62,12 +58,7 @@ def test_engine_head_matches_reference_head(method: str, num_layers: int, target
     with torch.inference_mode():
         _, fed2 = head(nxt_tok, nxt_feat, kv, meta2)
     with torch.no_grad():
-        cos, sin = rope_cos_sin(torch.arange(t + 1)[None], ref.layers[0].self_attn.hd, ref.cfg["rope_theta"])
-        ks = [[] for _ in ref.layers]
-        vs = [[] for _ in ref.layers]
-        mask = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()
-        pre2 = ref.forward_layers(torch.cat([tokens, nxt_tok])[None], torch.cat([feats, nxt_feat])[None],
-                                  cos[:, None], sin[:, None], ks, vs, mask)[0, -1:]
+        pre2 = ref.causal_forward(torch.cat([tokens, nxt_tok]), torch.cat([feats, nxt_feat]))[-1:]
     torch.testing.assert_close(fed2, pre2, atol=2e-4, rtol=2e-4)
 
 

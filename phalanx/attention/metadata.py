@@ -44,6 +44,9 @@ class AttentionMetadata:
     dec_block_table: torch.Tensor | None = None  # [Bd, NBd] int64
     # [Bd, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
     dec_mask: torch.Tensor | None = None
+    # [Bd, Qd] int64: keys each decode-group query attends (its position + 1; the fused kernel's
+    # form of dec_mask)
+    dec_visible: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
     # Every request has the same short query length Q and there is no prefill or padding (pure
     # decode: Q = 1; every request verifying k drafts: Q = k + 1): the flat batch is already the
@@ -89,6 +92,7 @@ def build_attention_metadata(
         q_pos = num_computed[dec_rows][:, None] + offs[None, :]  # [Bd, Qd]
         key_pos = torch.arange(num_blocks * block_size)
         meta.dec_mask = (key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :]
+        meta.dec_visible = q_pos + 1
     pre_rows = torch.nonzero(~is_dec).flatten().tolist()
     meta.prefills = []
     if pre_rows:
@@ -122,6 +126,7 @@ def _uniform_metadata(
         dec_valid=torch.ones(num_reqs, q, dtype=torch.bool),
         dec_block_table=block_table[:, :num_blocks],
         dec_mask=(key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :],
+        dec_visible=q_pos + 1,
         prefills=[],
         uniform_decode_len=q,
     )

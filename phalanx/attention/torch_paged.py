@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phalanx.attention import cpu_kernels
 from phalanx.attention.metadata import AttentionMetadata
 
 
@@ -44,12 +45,12 @@ def paged_attention(
         assert meta.dec_block_table is not None and meta.dec_mask is not None
         t, h, d = q.shape
         grid = q.view(t // meta.uniform_decode_len, meta.uniform_decode_len, h, d)
-        return _decode_group_attention(grid, kv_cache, meta.dec_block_table, meta.dec_mask, scale, meta.cache).view(t, h, d)
+        return _decode_group(grid, kv_cache, meta, scale).view(t, h, d)
     out = torch.empty_like(q)
 
     if meta.dec_token_idx is not None:
         assert meta.dec_block_table is not None and meta.dec_valid is not None and meta.dec_mask is not None
-        od = _decode_group_attention(q[meta.dec_token_idx], kv_cache, meta.dec_block_table, meta.dec_mask, scale, meta.cache)
+        od = _decode_group(q[meta.dec_token_idx], kv_cache, meta, scale)
         out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
 
     for seq in meta.prefills or ():
@@ -70,20 +71,34 @@ def paged_attention(
     return out
 
 
+def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode group's [Bd, Qd, H, D] query grid -> its attention output: the fused C++ kernel
+    when available (``attention.cpu_kernels``), else the reference grouped matmuls."""
+    assert meta.dec_block_table is not None and meta.dec_mask is not None
+    key = ("decode_kernel", q.dtype, q.device.type)
+    if key not in meta.cache:
+        meta.cache[key] = cpu_kernels.kernel_for(q.dtype) if q.device.type == "cpu" else None
+    kernel = meta.cache[key]
+    if kernel is not None and meta.dec_visible is not None:
+        return cpu_kernels.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
+    return _decode_group_attention(q, kv_cache, meta.dec_block_table, meta.dec_mask, scale, meta.cache)
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
     """[kvh, num_blocks, B, d] gathered at block_ids (any shape [...]) -> [kvh, ..., * B, d] flattened
-    over the last block dimension, contiguous. One index_select over dim 0 of the [kvh * num_blocks,
-    B, d] view (~2.7x faster than selecting along dim 1, and ~10x faster than advanced indexing);
-    the index is the same for every layer of a forward, so it is memoised in `memo`."""
-    kvh, num_blocks = cache.shape[:2]
+    over the last block dimension, contiguous. One index_select over dim 0 of the 2-D [kvh *
+    num_blocks, B * d] view: one block per row (~2.7x faster than selecting along dim 1 of the 4-D
+    cache, ~2x faster than over dim 0 of a 3-D view, and ~10x faster than advanced indexing); the
+    index is the same for every layer of a forward, so it is memoised in `memo`."""
+    kvh, num_blocks, block_size, d = cache.shape
     key = ("kv_gather", id(block_ids), kvh, num_blocks)
     index = memo.get(key) if memo is not None else None
     if index is None:
         index = (torch.arange(kvh)[:, None] * num_blocks + block_ids.reshape(1, -1)).reshape(-1)
         if memo is not None:
             memo[key] = index
-    blocks = torch.index_select(cache.view(kvh * num_blocks, *cache.shape[2:]), 0, index)  # [kvh * n, B, d]
-    return blocks.view(kvh, *block_ids.shape[:-1], -1, cache.shape[3])
+    rows = torch.index_select(cache.view(kvh * num_blocks, block_size * d), 0, index)  # [kvh * n, B * d]
+    return rows.view(kvh, *block_ids.shape[:-1], -1, d)
 
 
 def _decode_group_attention(

@@ -1,11 +1,13 @@
 """The paged attention backend against a dense per-request reference, on random mixed batches
 (fresh prompts, chunks over cached context, decodes, uniform verification batches, lockstep
-padding): every path of `paged_attention` (uniform grid, decode group, prefills) must agree."""
+padding): every path of `paged_attention` (uniform grid, decode group, prefills) must agree, with the
+decode group on the reference matmuls and on the fused C++ kernel (``attention.cpu_kernels``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.attention.metadata import DECODE_GROUP_MAX_QUERY, build_attention_metadata
@@ -37,9 +39,11 @@ def batches(draw):
     return reqs, draw(st.sampled_from([0, 0, 3])), draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=60, deadline=None)
-@given(batches())
-def test_paged_attention_matches_dense_reference(case) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=batches())
+def test_paged_attention_matches_dense_reference(backend, case, monkeypatch) -> None:
+    monkeypatch.setenv("PHALANX_ATTENTION_BACKEND", backend)
     reqs, num_pad, seed = case
     gen = torch.Generator().manual_seed(seed)
     scale = D**-0.5

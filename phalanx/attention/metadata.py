@@ -42,15 +42,13 @@ class AttentionMetadata:
     dec_token_idx: torch.Tensor | None = None  # [Bd, Qd] int64 into the flat batch (padded with 0)
     dec_valid: torch.Tensor | None = None  # [Bd, Qd] bool
     dec_block_table: torch.Tensor | None = None  # [Bd, NBd] int64
-    # [Bd, Qd, 1, NBd * block_size] bool, True = masked out (key after the query's position)
-    dec_mask: torch.Tensor | None = None
-    # [Bd, Qd] int64: keys each decode-group query attends (its position + 1; the fused kernel's
-    # form of dec_mask)
+    # [Bd, Qd] int64: how many keys each decode-group query attends (its position + 1, causal)
     dec_visible: torch.Tensor | None = None
     prefills: list[PrefillSeq] | None = None
     # Every request has the same short query length Q and there is no prefill or padding (pure
     # decode: Q = 1; every request verifying k drafts: Q = k + 1): the flat batch is already the
-    # decode group's [R, Q] grid in order, so no gather or scatter is needed. 0 otherwise.
+    # decode group's [R, Q] grid in order, so no gather or scatter is needed (dec_token_idx and
+    # dec_valid stay None). 0 otherwise.
     uniform_decode_len: int = 0
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
@@ -89,10 +87,7 @@ def build_attention_metadata(
         meta.dec_valid = offs[None, :] < dq[:, None]
         meta.dec_token_idx = torch.where(meta.dec_valid, starts[dec_rows][:, None] + offs[None, :], 0)
         meta.dec_block_table = block_table[dec_rows, :num_blocks]
-        q_pos = num_computed[dec_rows][:, None] + offs[None, :]  # [Bd, Qd]
-        key_pos = torch.arange(num_blocks * block_size)
-        meta.dec_mask = (key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :]
-        meta.dec_visible = q_pos + 1
+        meta.dec_visible = num_computed[dec_rows][:, None] + offs[None, :] + 1  # [Bd, Qd]
     pre_rows = torch.nonzero(~is_dec).flatten().tolist()
     meta.prefills = []
     if pre_rows:
@@ -117,15 +112,11 @@ def _uniform_metadata(
     positions = q_pos.reshape(-1)
     slot_mapping = (torch.gather(block_table, 1, q_pos // block_size) * block_size + q_pos % block_size).reshape(-1)
     num_blocks = (int(num_computed.max()) + q + block_size - 1) // block_size
-    key_pos = torch.arange(num_blocks * block_size)
     return AttentionMetadata(
         num_tokens=num_reqs * q,
         positions=positions,
         slot_mapping=slot_mapping,
-        dec_token_idx=torch.arange(num_reqs * q).view(num_reqs, q),
-        dec_valid=torch.ones(num_reqs, q, dtype=torch.bool),
         dec_block_table=block_table[:, :num_blocks],
-        dec_mask=(key_pos[None, None, :] > q_pos[:, :, None])[:, :, None, :],
         dec_visible=q_pos + 1,
         prefills=[],
         uniform_decode_len=q,

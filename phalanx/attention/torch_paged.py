@@ -42,14 +42,13 @@ def paged_attention(
     flat_k.index_copy_(1, meta.slot_mapping, k[:num_real].transpose(0, 1))
     flat_v.index_copy_(1, meta.slot_mapping, v[:num_real].transpose(0, 1))
     if meta.uniform_decode_len:  # the flat batch is the decode group's [R, Q] grid, rows in order
-        assert meta.dec_block_table is not None and meta.dec_mask is not None
         t, h, d = q.shape
         grid = q.view(t // meta.uniform_decode_len, meta.uniform_decode_len, h, d)
         return _decode_group(grid, kv_cache, meta, scale).view(t, h, d)
     out = torch.empty_like(q)
 
     if meta.dec_token_idx is not None:
-        assert meta.dec_block_table is not None and meta.dec_valid is not None and meta.dec_mask is not None
+        assert meta.dec_valid is not None
         od = _decode_group(q[meta.dec_token_idx], kv_cache, meta, scale)
         out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
 
@@ -74,14 +73,18 @@ def paged_attention(
 def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The decode group's [Bd, Qd, H, D] query grid -> its attention output: the fused C++ kernel
     when available (``attention.cpu_kernels``), else the reference grouped matmuls."""
-    assert meta.dec_block_table is not None and meta.dec_mask is not None
+    assert meta.dec_block_table is not None and meta.dec_visible is not None
     key = ("decode_kernel", q.dtype, q.device.type)
     if key not in meta.cache:
         meta.cache[key] = cpu_kernels.kernel_for(q.dtype) if q.device.type == "cpu" else None
     kernel = meta.cache[key]
-    if kernel is not None and meta.dec_visible is not None:
+    if kernel is not None:
         return cpu_kernels.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
-    return _decode_group_attention(q, kv_cache, meta.dec_block_table, meta.dec_mask, scale, meta.cache)
+    mask = meta.cache.get("dec_mask")
+    if mask is None:  # [Bd, Qd, 1, L], True = masked out (a key after the query's position)
+        key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))
+        mask = meta.cache["dec_mask"] = (key_pos[None, None, :] >= meta.dec_visible[:, :, None])[:, :, None, :]
+    return _decode_group_attention(q, kv_cache, meta.dec_block_table, mask, scale, meta.cache)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor:

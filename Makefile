@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test,bench]"
 	# the C++ decode-attention kernel, built once here rather than at the first server start
-	$(BIN)/python -c "from phalanx.attention.cpu_kernels import main; main()" \
+	$(BIN)/python -c "from phalanx.ops.cpu import main; main()" \
 		|| echo "warning: C++ kernel not built; phalanx falls back to its PyTorch attention"
 	touch $(STAMP)
 

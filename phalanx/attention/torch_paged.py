@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phalanx.attention import cpu_kernels
 from phalanx.attention.metadata import AttentionMetadata
+from phalanx.ops import cpu as cpu_ops
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -72,14 +72,14 @@ def paged_attention(
 
 def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The decode group's [Bd, Qd, H, D] query grid -> its attention output: the fused C++ kernel
-    when available (``attention.cpu_kernels``), else the reference grouped matmuls."""
+    when available (``ops.cpu``), else the reference grouped matmuls."""
     assert meta.dec_block_table is not None and meta.dec_visible is not None
     key = ("decode_kernel", q.dtype, q.device.type)
     if key not in meta.cache:
-        meta.cache[key] = cpu_kernels.kernel_for(q.dtype) if q.device.type == "cpu" else None
+        meta.cache[key] = cpu_ops.kernel_for(q.dtype) if q.device.type == "cpu" else None
     kernel = meta.cache[key]
     if kernel is not None:
-        return cpu_kernels.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
+        return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
     mask = meta.cache.get("dec_mask")
     if mask is None:  # [Bd, Qd, 1, L], True = masked out (a key after the query's position)
         key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))

@@ -53,6 +53,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.kernel: Any = None  # the compiled ops module (``ops.cpu.attach``), bf16 only
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin rows [T, 1, head_dim] for this batch, computed once per forward (all layers
@@ -67,9 +68,13 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, num_heads, head_dim]; k [T, num_kv_heads, head_dim]
         cos, sin = self.tables(positions, q.dtype, {} if cache is None else cache)
+        if self.kernel is not None and q.dtype == torch.bfloat16:
+            return self.kernel.rotary(q, cos, sin), self.kernel.rotary(k, cos, sin)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """Rotate a [T, heads, head_dim] tensor (queries and keys side by side: one op chain)."""
         cos, sin = self.tables(positions, x.dtype, cache)
+        if self.kernel is not None and x.dtype == torch.bfloat16:
+            return self.kernel.rotary(x, cos, sin)
         return x * cos + _rotate_half(x) * sin

@@ -35,6 +35,7 @@ from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
 from phalanx.models.llama import Attention, CausalLM, DecoderLayer, _copy_shard, map_hf_name
 from phalanx.models.loader import iterate_weights
+from phalanx.ops import cpu as cpu_ops
 
 
 def head_config(folder: str, target: ModelConfig) -> ModelConfig:
@@ -152,8 +153,8 @@ class Eagle3Layer(nn.Module):
         self, embeds: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        r = hidden + self.self_attn(x, kv_cache, meta)
-        return r + self.mlp(self.post_attention_layernorm(r))
+        h, r = self.post_attention_layernorm.add_forward(self.self_attn(x, kv_cache, meta), hidden)
+        return r + self.mlp(h)
 
 
 class Eagle3Head(_HeadBase):
@@ -207,6 +208,7 @@ def load_eagle_head(folder: str, method: str, target: CausalLM) -> Eagle1Head | 
         torch.set_default_dtype(old)
     head.load(iterate_weights(folder))
     head.eval()
+    cpu_ops.attach(head, cfg.dtype)  # fused norm / rotary / SiLU kernels (bf16), like the target
     if prepack_supported(cfg.dtype):
         prepack_linears(head)  # after loading, like the target (layers.linear)
     return head

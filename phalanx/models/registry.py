@@ -11,6 +11,7 @@ from torch import nn
 from phalanx.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from phalanx.models.llama import CausalLM
 from phalanx.models.loader import iterate_weights
+from phalanx.ops import cpu as cpu_ops
 
 # Every supported dense and MoE architecture shares the Llama-family decoder; the differences
 # (qkv bias, q/k norm, MoE routing, shared experts) are switches in ModelConfig.
@@ -43,4 +44,5 @@ def load_model(cfg: ModelConfig, expert_shard: tuple[int, int] | None = None) ->
     model.load_weights(iterate_weights(cfg.path))  # type: ignore[attr-defined]
     model.eval()
     model.prepack()  # type: ignore[attr-defined]
+    cpu_ops.attach(model, cfg.dtype)  # fused norm / rotary / SiLU kernels (bf16)
     return model  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """The paged attention backend against a dense per-request reference, on random mixed batches
 (fresh prompts, chunks over cached context, decodes, uniform verification batches, lockstep
 padding): every path of `paged_attention` (uniform grid, decode group, prefills) must agree, with the
-decode group on the reference matmuls and on the fused C++ kernel (``attention.cpu_kernels``)."""
+decode group on the reference matmuls and on the fused C++ kernel (``ops.cpu``)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def batches(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=batches())
 def test_paged_attention_matches_dense_reference(backend, case, monkeypatch) -> None:
-    monkeypatch.setenv("PHALANX_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("PHALANX_KERNELS", backend)
     reqs, num_pad, seed = case
     gen = torch.Generator().manual_seed(seed)
     scale = D**-0.5

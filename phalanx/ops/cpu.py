@@ -1,31 +1,38 @@
-"""A fused C++ decode-attention kernel for the CPU, built on first use (JIT) and optional.
+"""Fused C++ kernels for the CPU hot path, built on first use (JIT) and optional.
 
-Owns: the kernel source, building / loading it (`load`), the backend choice
-(``PHALANX_ATTENTION_BACKEND``) and `decode_attention`, the call the paged attention uses for its
-decode group when the kernel is available.
-Does not own: the reference attention (``attention.torch_paged``, which every result of this kernel
-is tested against) or the metadata (``attention.metadata``).
+Owns: the kernel source, building / loading it (`load`), the backend choice (``PHALANX_KERNELS``),
+`decode_attention` (the paged attention's decode group) and `attach` (hands the module to the layers
+that use the elementwise ops: RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary).
+Does not own: the reference implementations (``attention.torch_paged``, ``layers.*``), which every
+result of these kernels is tested against and which serve whenever the kernels are off.
 
-Why. The reference decode path gathers every request's K/V blocks into a contiguous copy per layer
-and runs two bf16 batched matmuls, a mask and a softmax: a dozen ATen calls, each with a fixed cost
-of tens of microseconds for the tiny matrices of decode ([g x D] @ [D x L] per request and KV head),
-and a full copy of the context. Profiles of the c = 16 serving workload put that path on par with
-all the linear layers together. This kernel reads the keys and values straight from the paged cache
-through the block table, once per (request, KV head) for all of its query heads and query tokens,
-and keeps scores, softmax and the weighted sum in float32 registers: one call per layer.
+Why. In eager PyTorch every small op costs a fixed ~5-30 us on this CPU, and a decoder layer is
+~40 of them: at batch 1 those fixed costs, not arithmetic, are most of a step. The reference decode
+attention gathers every request's K/V blocks into a contiguous copy per layer and runs two bf16
+batched matmuls, a mask and a softmax (profiles of the c = 16 serving workload put that path on par
+with all the linear layers together); `torch.rms_norm` on CPU is ~8 ops, rotary ~6, SiLU-and-multiply
+2. The kernels do each of those in one call.
 
-Numerics: float32 scores, softmax and accumulation (the reference rounds scores and probabilities
-to the activation dtype in between), the output rounded once. Each query's result depends only on
-its own query, keys and values, never on the batch around it or on how many query tokens its
-request has (every reduction runs in a fixed order), so the kernel is batch-invariant: a request
-decodes the same tokens alone, in a batch, or verifying drafts.
+decode_attention reads the keys and values straight from the paged cache through the block table,
+once per (request, KV head) for all of its query heads and query tokens, with AVX512-BF16 dot
+products, float32 scores, softmax and accumulation, the output rounded once (the reference rounds
+scores and probabilities to the activation dtype in between). Each query's result depends only on
+its own query, keys and values, never on the batch or on how many query tokens its request has
+(every reduction runs in a fixed order): the kernel is batch-invariant. bf16 and float32.
 
-Backends (``PHALANX_ATTENTION_BACKEND``): ``auto`` (default) uses the kernel when it builds (a C++
+The elementwise ops are bf16 only (the fast path; float32 models stay on the reference ops, whose
+numerics the Hugging Face parity tests pin) and round exactly where the PyTorch ops they replace
+round (norm: float32 normalisation, round, times the bf16 weight, round; add: one rounding; SiLU,
+then the product; rotary: both products, then the sum), so they agree with the reference to the
+last bit except where float32 reduction order or exp's last ulp flips a rounding.
+
+Backends (``PHALANX_KERNELS``): ``auto`` (default) uses the kernels when they build (a C++
 compiler and ninja, both present after ``make install``) and falls back to the reference with one
-warning otherwise; ``torch`` always uses the reference; ``cpp`` requires the kernel (an error if it
-cannot be built). `main` builds it ahead of time (``make install`` runs it), so the first server start
-does not pay the ~30 s compile; the build is cached in ``PHALANX_KERNEL_CACHE`` (default
-``~/.cache/phalanx/kernels``).
+warning otherwise; ``torch`` always uses the reference; ``cpp`` requires the kernels (an error if
+they cannot be built). `main` builds them ahead of time (``make install`` runs it), so the first
+server start does not pay the ~30 s compile; the build is cached in ``PHALANX_KERNEL_CACHE``
+(default ``~/.cache/phalanx/kernels``). The choice for the elementwise ops is made once, when a
+model is loaded (`attach`); the decode attention checks it per forward.
 """
 
 from __future__ import annotations
@@ -219,6 +226,144 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 
 }  // namespace
 
+// ---- elementwise ops of a decoder layer, bf16 only, same rounding steps as the PyTorch ops --------
+
+inline float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
+inline float bf16_at(const c10::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(float));
+  return f;
+}
+
+// 1 / sqrt(mean(x^2) + eps) over one row, float32, fixed order.
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  float lanes[kLanes] = {0.f};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += x[d + j] * x[d + j];
+  float ss = 0.f;
+  for (int j = 0; j < kLanes; ++j) ss += lanes[j];
+  for (; d < n; ++d) ss += x[d] * x[d];
+  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+}
+
+void check_bf16_rows(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, op, ": expects bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, op, ": the last dimension must be contiguous");
+}
+
+// norm(x) = weight * bf16(x / rms(x)) (Hugging Face's Llama RMSNorm: float32 normalisation, rounded
+// to bf16, then the bf16 weight); with `residual`, x is first replaced by bf16(x + residual), which
+// is also returned (the residual stream for the rest of the layer).
+std::vector<torch::Tensor> rms_norm_impl(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                         double eps) {
+  check_bf16_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "rms_norm: weight must be bfloat16 [", x.size(-1), "]");
+  x = x.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  auto out = torch::empty_like(x);
+  torch::Tensor sum;
+  const c10::BFloat16* res = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kBFloat16,
+                "add_rms_norm: residual must match x");
+    sum = torch::empty_like(x);
+    res = residual->contiguous().data_ptr<c10::BFloat16>();
+  }
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = weight.contiguous().data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  auto* sp = res ? sum.data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = r * n;
+      if (res) {
+        for (int64_t d = 0; d < n; ++d) {
+          row[d] = round_bf16(bf16_at(xp, base + d) + bf16_at(res, base + d));
+          sp[base + d] = c10::BFloat16(row[d]);
+        }
+      } else {
+        for (int64_t d = 0; d < n; ++d) row[d] = bf16_at(xp, base + d);
+      }
+      const float inv = inv_rms(row.data(), n, static_cast<float>(eps));
+      for (int64_t d = 0; d < n; ++d) op[base + d] = c10::BFloat16(bf16_at(wp, d) * round_bf16(row[d] * inv));
+    }
+  });
+  if (res) return {out, sum};
+  return {out};
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  return rms_norm_impl(x, c10::nullopt, weight, eps)[0];
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  return rms_norm_impl(x, residual, weight, eps);
+}
+
+// [T, 2I] (gate | up) -> [T, I]: bf16(bf16(silu(gate)) * up), as F.silu(gate) * up rounds.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_bf16_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be even");
+  gate_up = gate_up.contiguous();
+  const int64_t width = gate_up.size(-1), half = width / 2, rows = gate_up.numel() / std::max<int64_t>(width, 1);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = half;
+  auto out = torch::empty(sizes, gate_up.options());
+  const auto* gp = gate_up.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t g0 = r * width, o0 = r * half;
+      for (int64_t d = 0; d < half; ++d) {
+        const float g = bf16_at(gp, g0 + d);
+        const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|), in (0, 1]
+        const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        op[o0 + d] = c10::BFloat16(round_bf16(g * sig) * bf16_at(gp, g0 + half + d));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotate-half rotary on x [T, N, D] (any row / head strides, last dim contiguous) with cos / sin
+// rows [T, 1, D] (bf16): bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), as the PyTorch ops round.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16_rows(x, "rotary");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "rotary: x must be [T, N, D] with even D");
+  TORCH_CHECK(cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16 &&
+                  cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel(),
+              "rotary: cos / sin must be bfloat16 [T, 1, D]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t T = x.size(0), N = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t st = x.stride(0), sn = x.stride(1);
+  auto out = torch::empty({T, N, D}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* cp = cos.data_ptr<c10::BFloat16>();
+  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < N; ++h) {
+        const c10::BFloat16* row = xp + t * st + h * sn;
+        c10::BFloat16* dst = op + (t * N + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -bf16_at(row, d + half) : bf16_at(row, d - half);
+          const float a = round_bf16(bf16_at(row, d) * bf16_at(cp, t * D + d));
+          const float b = round_bf16(rot * bf16_at(sp, t * D + d));
+          dst[d] = c10::BFloat16(a + b);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // q [S, Q, H, D]; kv_cache [2, KVH, NB, BS, D]; block_table [S, W] int64; visible [S, Q] int64
 // (keys 0 .. visible-1 are attended); returns [S, Q, H, D].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
@@ -264,9 +409,9 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def backend() -> str:
-    value = os.environ.get("PHALANX_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    value = os.environ.get("PHALANX_KERNELS", "auto").strip().lower() or "auto"
     if value not in BACKENDS:
-        raise ValueError(f"PHALANX_ATTENTION_BACKEND={value!r} is not valid; valid: {', '.join(BACKENDS)}")
+        raise ValueError(f"PHALANX_KERNELS={value!r} is not valid; valid: {', '.join(BACKENDS)}")
     return value
 
 
@@ -291,10 +436,10 @@ def load(required: bool = False) -> Any:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="phalanx_cpu_kernels",
+                    name="phalanx_cpu_ops",
                     cpp_sources=[_SOURCE],
-                    functions=["decode_attention"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    functions=["decode_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir()),
                     verbose=False,
@@ -304,7 +449,7 @@ def load(required: bool = False) -> Any:
                 log.warning("phalanx: the C++ decode-attention kernel could not be built (%s); "
                             "using the PyTorch reference path", _failed.splitlines()[0])
     if _module is None and required:
-        raise RuntimeError(f"PHALANX_ATTENTION_BACKEND=cpp but the kernel could not be built: {_failed}")
+        raise RuntimeError(f"PHALANX_KERNELS=cpp but the kernel could not be built: {_failed}")
     return _module
 
 
@@ -314,6 +459,21 @@ def kernel_for(dtype: torch.dtype) -> Any:
     if choice == "torch" or dtype not in SUPPORTED_DTYPES:
         return None
     return load(required=choice == "cpp")
+
+
+def attach(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Give every layer under `model` that has a fused form (modules with a ``kernel`` attribute:
+    RMSNorm, GatedMLP, RotaryEmbedding) the compiled module, when `model` computes in bf16 and the
+    backend allows it. Call once after loading; returns how many modules got it."""
+    if dtype != torch.bfloat16 or kernel_for(dtype) is None:
+        return 0
+    module = load()
+    count = 0
+    for m in model.modules():
+        if hasattr(m, "kernel"):
+            m.kernel = module
+            count += 1
+    return count
 
 
 def decode_attention(
@@ -333,5 +493,5 @@ def main() -> None:
 
     t0 = time.perf_counter()
     load(required=True)
-    print(f"phalanx: C++ decode-attention kernel ready in {build_dir()} ({time.perf_counter() - t0:.1f}s)")
+    print(f"phalanx: C++ kernels ready in {build_dir()} ({time.perf_counter() - t0:.1f}s)")
 

@@ -1,4 +1,4 @@
-"""The fused C++ decode-attention kernel (``attention.cpu_kernels``): accuracy against float64 in
+"""The fused C++ decode-attention kernel (``ops.cpu``): accuracy against float64 in
 bf16 and fp32, agreement with the reference grouped matmuls, batch invariance (bitwise: a query's
 output never depends on the batch or the query count around it), and the backend switch."""
 
@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.attention import cpu_kernels
 from phalanx.attention.torch_paged import _decode_group_attention
+from phalanx.ops import cpu as cpu_ops
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return cpu_kernels.load(required=True)
+    return cpu_ops.load(required=True)
 
 
 def _case(seed: int, seqs: int, qlen: int, kvh: int, group: int, head_dim: int, block_size: int,
@@ -63,10 +63,10 @@ def _truth(q, cache, table, visible, scale):  # float64, one query at a time
 )
 def test_kernel_matches_float64_and_the_reference(seed, seqs, qlen, kvh, group, head_dim, block_size, max_len,
                                                   dtype) -> None:
-    kernel = cpu_kernels.load(required=True)
+    kernel = cpu_ops.load(required=True)
     q, cache, table, visible = _case(seed, seqs, qlen, kvh, group, head_dim, block_size, max_len, dtype)
     scale = head_dim**-0.5
-    out = cpu_kernels.decode_attention(kernel, q, cache, table, visible, scale)
+    out = cpu_ops.decode_attention(kernel, q, cache, table, visible, scale)
     assert out.shape == q.shape and out.dtype == dtype
     truth = _truth(q, cache, table, visible, scale)
     # float32 math throughout; bf16 output rounding is 2^-9 relative
@@ -111,11 +111,90 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
 
 
 def test_backend_switch(monkeypatch) -> None:
-    monkeypatch.setenv("PHALANX_ATTENTION_BACKEND", "torch")
-    assert cpu_kernels.kernel_for(torch.bfloat16) is None
-    monkeypatch.setenv("PHALANX_ATTENTION_BACKEND", "auto")
-    assert cpu_kernels.kernel_for(torch.float16) is None  # not a kernel dtype: the reference serves it
-    assert cpu_kernels.kernel_for(torch.bfloat16) is not None
-    monkeypatch.setenv("PHALANX_ATTENTION_BACKEND", "fastest")
-    with pytest.raises(ValueError, match="PHALANX_ATTENTION_BACKEND='fastest' is not valid; valid: auto, torch, cpp"):
-        cpu_kernels.kernel_for(torch.bfloat16)
+    monkeypatch.setenv("PHALANX_KERNELS", "torch")
+    assert cpu_ops.kernel_for(torch.bfloat16) is None
+    monkeypatch.setenv("PHALANX_KERNELS", "auto")
+    assert cpu_ops.kernel_for(torch.float16) is None  # not a kernel dtype: the reference serves it
+    assert cpu_ops.kernel_for(torch.bfloat16) is not None
+    monkeypatch.setenv("PHALANX_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="PHALANX_KERNELS='fastest' is not valid; valid: auto, torch, cpp"):
+        cpu_ops.kernel_for(torch.bfloat16)
+
+
+# ---- the elementwise ops of a decoder layer (bf16) ------------------------------------------------
+def _bf16(shape, seed, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def _close_to_reference(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Same rounding steps as the PyTorch ops: equal to the last bit except where float32 reduction
+    order or exp's last ulp flips a rounding (one bf16 ulp, rarely)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype == torch.bfloat16
+    diff = (got.float() - ref.float()).abs()
+    ulp = ref.float().abs().clamp_min(1e-30) * 2.0**-7
+    assert bool((diff <= ulp).all()), float((diff / ulp).max())
+    assert (got == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 256), (33, 200)])
+def test_rms_norm_and_residual_add(kernel, rows: int, hidden: int) -> None:
+    from phalanx.layers.norm import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(_bf16((hidden,), 1) + 1)
+    x, res = _bf16((rows, hidden), 2, 3.0), _bf16((rows, hidden), 3)
+    ref, ref_normed_sum = norm(x), norm(x + res)
+    norm.kernel = kernel
+    _close_to_reference(norm(x), ref)
+    normed, total = norm.add_forward(x, res)
+    assert torch.equal(total, x + res)  # one rounding, exactly torch's
+    _close_to_reference(normed, ref_normed_sum)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 64), (5, 704), (20, 1408)])
+def test_silu_mul(kernel, rows: int, inter: int) -> None:
+    gate_up = _bf16((rows, 2 * inter), rows, 4.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_to_reference(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_rotary_is_bitwise_the_reference_on_strided_views(kernel) -> None:
+    from phalanx.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 512, 10000.0, None)
+    qkv = _bf16((9, (6 + 2 * 2) * 64), 5)  # fused projection: 6 query heads, 2 KV heads
+    qk = qkv[:, : 8 * 64].view(9, 8, 64)  # a strided view, as the attention layer passes it
+    positions = torch.tensor([0, 1, 2, 3, 100, 101, 5, 300, 511])
+    ref = rot.rotate(positions, qk, {})
+    rot.kernel = kernel
+    assert torch.equal(rot.rotate(positions, qk, {}), ref)
+    q, k = qk[:, :6], qk[:, 6:]
+    rot.kernel = None
+    ref_q, ref_k = rot(positions, q, k, {})
+    rot.kernel = kernel
+    got_q, got_k = rot(positions, q, k, {})
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+def test_elementwise_ops_reject_what_they_do_not_serve(kernel) -> None:
+    with pytest.raises(RuntimeError, match="expects bfloat16"):
+        kernel.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match=r"weight must be bfloat16 \[8\]"):
+        kernel.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(4).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="must be even"):
+        kernel.silu_mul(torch.randn(2, 7).bfloat16())
+
+
+def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
+    from phalanx.layers.mlp import GatedMLP
+    from phalanx.layers.norm import RMSNorm
+
+    def model():
+        return torch.nn.ModuleList([RMSNorm(8), GatedMLP(8, 16), torch.nn.Linear(8, 8)])
+
+    assert cpu_ops.attach(model(), torch.float32) == 0  # float32 keeps the reference ops (parity)
+    m = model()
+    assert cpu_ops.attach(m, torch.bfloat16) == 2 and m[0].kernel is not None and m[1].kernel is not None
+    monkeypatch.setenv("PHALANX_KERNELS", "torch")
+    assert cpu_ops.attach(model(), torch.bfloat16) == 0

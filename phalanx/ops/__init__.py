@@ -1,0 +1,1 @@
+"""Native kernels (optional, JIT-built) behind small Python entry points."""

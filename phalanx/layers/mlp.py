@@ -1,9 +1,6 @@
-"""Gated SiLU MLP with fused gate/up projection (Llama family); bf16 models use the fused C++
-SiLU-and-multiply when ``ops.cpu.attach`` gave them one."""
+"""Gated SiLU MLP with fused gate/up projection (Llama family)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +13,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.kernel: Any = None  # the compiled ops module (``ops.cpu.attach``), bf16 only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        if self.kernel is not None:
-            return self.down_proj(self.kernel.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -2,7 +2,7 @@
 
 Owns: the kernel source, building / loading it (`load`), the backend choice (``PHALANX_KERNELS``),
 `decode_attention` (the paged attention's decode group) and `attach` (hands the module to the layers
-that use the elementwise ops: RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary).
+that use the elementwise ops: RMSNorm, residual add + RMSNorm, rotary).
 Does not own: the reference implementations (``attention.torch_paged``, ``layers.*``), which every
 result of these kernels is tested against and which serve whenever the kernels are off.
 
@@ -10,8 +10,9 @@ Why. In eager PyTorch every small op costs a fixed ~5-30 us on this CPU, and a d
 ~40 of them: at batch 1 those fixed costs, not arithmetic, are most of a step. The reference decode
 attention gathers every request's K/V blocks into a contiguous copy per layer and runs two bf16
 batched matmuls, a mask and a softmax (profiles of the c = 16 serving workload put that path on par
-with all the linear layers together); `torch.rms_norm` on CPU is ~8 ops, rotary ~6, SiLU-and-multiply
-2. The kernels do each of those in one call.
+with all the linear layers together); `torch.rms_norm` on CPU is ~8 ops (plus the residual add before
+it), rotary ~6. The kernels do each of those in one call. (A fused SiLU-and-multiply was tried and
+dropped: PyTorch's two vectorised ops beat a plain C++ loop at every size.)
 
 decode_attention reads the keys and values straight from the paged cache through the block table,
 once per (request, KV head) for all of its query heads and query tokens, with AVX512-BF16 dot
@@ -22,9 +23,9 @@ its own query, keys and values, never on the batch or on how many query tokens i
 
 The elementwise ops are bf16 only (the fast path; float32 models stay on the reference ops, whose
 numerics the Hugging Face parity tests pin) and round exactly where the PyTorch ops they replace
-round (norm: float32 normalisation, round, times the bf16 weight, round; add: one rounding; SiLU,
-then the product; rotary: both products, then the sum), so they agree with the reference to the
-last bit except where float32 reduction order or exp's last ulp flips a rounding.
+round (norm: float32 normalisation, round, times the bf16 weight, round; add: one rounding; rotary:
+both products, then the sum), so they agree with the reference to the last bit (rotary, the add)
+or except where the float32 reduction order flips a rounding (the norm, one bf16 ulp, rarely).
 
 Backends (``PHALANX_KERNELS``): ``auto`` (default) uses the kernels when they build (a C++
 compiler and ninja, both present after ``make install``) and falls back to the reference with one
@@ -227,15 +228,28 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 }  // namespace
 
 // ---- elementwise ops of a decoder layer, bf16 only, same rounding steps as the PyTorch ops --------
+// Written as plain loops over uint16 bit patterns so the compiler vectorises them (c10::BFloat16's
+// conversions are not inlined into vector code): bf16 -> float is a shift, float -> bf16 rounds to
+// nearest even exactly as c10 does (NaN -> canonical NaN).
 
-inline float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
-
-inline float bf16_at(const c10::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+inline float bits_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(float));
   return f;
 }
+
+inline uint16_t float_to_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(float));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+inline float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
+
+inline const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* u16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 // 1 / sqrt(mean(x^2) + eps) over one row, float32, fixed order.
 inline float inv_rms(const float* x, int64_t n, float eps) {
@@ -263,37 +277,40 @@ std::vector<torch::Tensor> rms_norm_impl(torch::Tensor x, c10::optional<torch::T
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "rms_norm: weight must be bfloat16 [", x.size(-1), "]");
   x = x.contiguous();
+  weight = weight.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   auto out = torch::empty_like(x);
-  torch::Tensor sum;
-  const c10::BFloat16* res = nullptr;
+  torch::Tensor sum, res;
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kBFloat16,
                 "add_rms_norm: residual must match x");
+    res = residual->contiguous();
     sum = torch::empty_like(x);
-    res = residual->contiguous().data_ptr<c10::BFloat16>();
   }
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* wp = weight.contiguous().data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  auto* sp = res ? sum.data_ptr<c10::BFloat16>() : nullptr;
+  const uint16_t* xp = u16(x);
+  const uint16_t* wp = u16(weight);
+  const uint16_t* rp = res.defined() ? u16(res) : nullptr;
+  uint16_t* op = u16_mut(out);
+  uint16_t* sp = sum.defined() ? u16_mut(sum) : nullptr;
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = r * n;
-      if (res) {
+      if (rp) {
         for (int64_t d = 0; d < n; ++d) {
-          row[d] = round_bf16(bf16_at(xp, base + d) + bf16_at(res, base + d));
-          sp[base + d] = c10::BFloat16(row[d]);
+          const uint16_t b = float_to_bits(bits_to_float(xp[base + d]) + bits_to_float(rp[base + d]));
+          sp[base + d] = b;
+          row[d] = bits_to_float(b);
         }
       } else {
-        for (int64_t d = 0; d < n; ++d) row[d] = bf16_at(xp, base + d);
+        for (int64_t d = 0; d < n; ++d) row[d] = bits_to_float(xp[base + d]);
       }
-      const float inv = inv_rms(row.data(), n, static_cast<float>(eps));
-      for (int64_t d = 0; d < n; ++d) op[base + d] = c10::BFloat16(bf16_at(wp, d) * round_bf16(row[d] * inv));
+      const float inv = inv_rms(row.data(), n, e);
+      for (int64_t d = 0; d < n; ++d) op[base + d] = float_to_bits(bits_to_float(wp[d]) * round_bf16(row[d] * inv));
     }
   });
-  if (res) return {out, sum};
+  if (sp) return {out, sum};
   return {out};
 }
 
@@ -303,31 +320,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   return rms_norm_impl(x, residual, weight, eps);
-}
-
-// [T, 2I] (gate | up) -> [T, I]: bf16(bf16(silu(gate)) * up), as F.silu(gate) * up rounds.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_bf16_rows(gate_up, "silu_mul");
-  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be even");
-  gate_up = gate_up.contiguous();
-  const int64_t width = gate_up.size(-1), half = width / 2, rows = gate_up.numel() / std::max<int64_t>(width, 1);
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = half;
-  auto out = torch::empty(sizes, gate_up.options());
-  const auto* gp = gate_up.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t g0 = r * width, o0 = r * half;
-      for (int64_t d = 0; d < half; ++d) {
-        const float g = bf16_at(gp, g0 + d);
-        const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|), in (0, 1]
-        const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-        op[o0 + d] = c10::BFloat16(round_bf16(g * sig) * bf16_at(gp, g0 + half + d));
-      }
-    }
-  });
-  return out;
 }
 
 // Rotate-half rotary on x [T, N, D] (any row / head strides, last dim contiguous) with cos / sin
@@ -343,20 +335,26 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const int64_t T = x.size(0), N = x.size(1), D = x.size(2), half = D / 2;
   const int64_t st = x.stride(0), sn = x.stride(1);
   auto out = torch::empty({T, N, D}, x.options());
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* cp = cos.data_ptr<c10::BFloat16>();
-  const auto* sp = sin.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
+  const uint16_t* xp = u16(x);
+  const uint16_t* cp = u16(cos);
+  const uint16_t* sp = u16(sin);
+  uint16_t* op = u16_mut(out);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* c = cp + t * D;
+      const uint16_t* s = sp + t * D;
       for (int64_t h = 0; h < N; ++h) {
-        const c10::BFloat16* row = xp + t * st + h * sn;
-        c10::BFloat16* dst = op + (t * N + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float rot = d < half ? -bf16_at(row, d + half) : bf16_at(row, d - half);
-          const float a = round_bf16(bf16_at(row, d) * bf16_at(cp, t * D + d));
-          const float b = round_bf16(rot * bf16_at(sp, t * D + d));
-          dst[d] = c10::BFloat16(a + b);
+        const uint16_t* row = xp + t * st + h * sn;
+        uint16_t* dst = op + (t * N + h) * D;
+        for (int64_t d = 0; d < half; ++d) {  // rotate_half(x)[d] = -x[d + half]
+          const float a = round_bf16(bits_to_float(row[d]) * bits_to_float(c[d]));
+          const float b = round_bf16(-bits_to_float(row[d + half]) * bits_to_float(s[d]));
+          dst[d] = float_to_bits(a + b);
+        }
+        for (int64_t d = half; d < D; ++d) {  // rotate_half(x)[d] = x[d - half]
+          const float a = round_bf16(bits_to_float(row[d]) * bits_to_float(c[d]));
+          const float b = round_bf16(bits_to_float(row[d - half]) * bits_to_float(s[d]));
+          dst[d] = float_to_bits(a + b);
         }
       }
     }
@@ -438,7 +436,7 @@ def load(required: bool = False) -> Any:
                 _module = load_inline(
                     name="phalanx_cpu_ops",
                     cpp_sources=[_SOURCE],
-                    functions=["decode_attention", "rms_norm", "add_rms_norm", "silu_mul", "rotary"],
+                    functions=["decode_attention", "rms_norm", "add_rms_norm", "rotary"],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir()),
@@ -463,7 +461,7 @@ def kernel_for(dtype: torch.dtype) -> Any:
 
 def attach(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Give every layer under `model` that has a fused form (modules with a ``kernel`` attribute:
-    RMSNorm, GatedMLP, RotaryEmbedding) the compiled module, when `model` computes in bf16 and the
+    RMSNorm, RotaryEmbedding) the compiled module, when `model` computes in bf16 and the
     backend allows it. Call once after loading; returns how many modules got it."""
     if dtype != torch.bfloat16 or kernel_for(dtype) is None:
         return 0

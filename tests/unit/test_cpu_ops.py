@@ -152,13 +152,6 @@ def test_rms_norm_and_residual_add(kernel, rows: int, hidden: int) -> None:
     _close_to_reference(normed, ref_normed_sum)
 
 
-@pytest.mark.parametrize("rows,inter", [(1, 64), (5, 704), (20, 1408)])
-def test_silu_mul(kernel, rows: int, inter: int) -> None:
-    gate_up = _bf16((rows, 2 * inter), rows, 4.0)
-    gate, up = gate_up.chunk(2, dim=-1)
-    _close_to_reference(kernel.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
-
-
 def test_rotary_is_bitwise_the_reference_on_strided_views(kernel) -> None:
     from phalanx.layers.rotary import RotaryEmbedding
 
@@ -182,16 +175,17 @@ def test_elementwise_ops_reject_what_they_do_not_serve(kernel) -> None:
         kernel.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match=r"weight must be bfloat16 \[8\]"):
         kernel.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(4).bfloat16(), 1e-5)
-    with pytest.raises(RuntimeError, match="must be even"):
-        kernel.silu_mul(torch.randn(2, 7).bfloat16())
+    with pytest.raises(RuntimeError, match="must be \\[T, N, D\\] with even D"):
+        kernel.rotary(torch.randn(2, 3, 7).bfloat16(), torch.ones(2, 1, 7).bfloat16(), torch.ones(2, 1, 7).bfloat16())
 
 
 def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
     from phalanx.layers.mlp import GatedMLP
     from phalanx.layers.norm import RMSNorm
+    from phalanx.layers.rotary import RotaryEmbedding
 
     def model():
-        return torch.nn.ModuleList([RMSNorm(8), GatedMLP(8, 16), torch.nn.Linear(8, 8)])
+        return torch.nn.ModuleList([RMSNorm(8), RotaryEmbedding(8, 16, 10000.0, None), GatedMLP(8, 16)])
 
     assert cpu_ops.attach(model(), torch.float32) == 0  # float32 keeps the reference ops (parity)
     m = model()

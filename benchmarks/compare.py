@@ -107,6 +107,9 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     if bind == "all":
         bind = f"0-{(os.cpu_count() or 1) - 1}" if dp == 1 else "auto"
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    preload = vllm_preload(args)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, env.get("LD_PRELOAD", "")]))
     cmd = [args.vllm_python, str(launcher), "serve", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1", "--port", str(free_port())]
     if dp > 1:
@@ -114,6 +117,18 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return Server(cmd, env, log, args.start_timeout)
+
+
+def vllm_preload(args: argparse.Namespace) -> list[str]:
+    """Libraries to LD_PRELOAD into vLLM: 'auto' = the Intel OpenMP runtime its own venv ships
+    (vLLM's CPU backend warns without it and recommends preloading it), 'none', or paths."""
+    if args.vllm_preload == "none":
+        return []
+    if args.vllm_preload != "auto":
+        return [p for p in args.vllm_preload.split(":") if p]
+    venv = Path(args.vllm_python).absolute().parents[1] if args.vllm_python else None  # not resolve(): a venv python is a symlink
+    found = sorted(venv.glob("lib/libiomp5.so")) if venv else []
+    return [str(p) for p in found]
 
 
 def drive(args: argparse.Namespace, port: int, concurrency: int) -> dict[str, Any]:
@@ -187,6 +202,7 @@ def record(engine: str, spec_name: str, dp: int, c: int, args: argparse.Namespac
         "ttft_median_ms": (res.get("ttft_ms") or {}).get("median"),
         "e2el_median_ms": (res.get("e2el_ms") or {}).get("median"),
         "acceptance_length": spec.get("mean_acceptance_length"),
+        **({"vllm_omp_bind": args.vllm_omp_bind, "vllm_preload": vllm_preload(args)} if engine == "vllm" else {}),
     }
 
 
@@ -402,6 +418,9 @@ def main() -> int:
     r.add_argument("--vllm-omp-bind", default="all",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'all' cores (dp 1; like phalanx), 'auto' (vLLM's "
                         "default: reserves one core here), or an explicit list such as '0-1' or '0|1'")
+    r.add_argument("--vllm-preload", default="auto",
+                   help="LD_PRELOAD for vLLM: 'auto' (libiomp5.so from its venv, as its CPU backend asks), "
+                        "'none', or ':'-separated paths")
     r.add_argument("--start-timeout", type=float, default=300.0)
     r.add_argument("--request-timeout", type=float, default=900.0)
     r.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per offline run")

@@ -120,15 +120,22 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
 
 
 def vllm_preload(args: argparse.Namespace) -> list[str]:
-    """Libraries to LD_PRELOAD into vLLM: 'auto' = the Intel OpenMP runtime its own venv ships
-    (vLLM's CPU backend warns without it and recommends preloading it), 'none', or paths."""
+    """Libraries to LD_PRELOAD into vLLM: 'auto' = what its CPU backend asks for when present (it
+    warns without them): tcmalloc (Debian's libgoogle-perftools4) and the Intel OpenMP runtime its
+    own venv ships; 'none'; or ':'-separated paths."""
     if args.vllm_preload == "none":
         return []
     if args.vllm_preload != "auto":
         return [p for p in args.vllm_preload.split(":") if p]
+    import ctypes.util
+
+    found = []
+    tcmalloc = ctypes.util.find_library("tcmalloc")  # e.g. "libtcmalloc.so.4", on the loader's path
+    if tcmalloc:
+        found.append(tcmalloc)
     venv = Path(args.vllm_python).absolute().parents[1] if args.vllm_python else None  # not resolve(): a venv python is a symlink
-    found = sorted(venv.glob("lib/libiomp5.so")) if venv else []
-    return [str(p) for p in found]
+    found += [str(p) for p in sorted(venv.glob("lib/libiomp5.so"))] if venv else []
+    return found
 
 
 def drive(args: argparse.Namespace, port: int, concurrency: int) -> dict[str, Any]:
@@ -419,8 +426,8 @@ def main() -> int:
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'all' cores (dp 1; like phalanx), 'auto' (vLLM's "
                         "default: reserves one core here), or an explicit list such as '0-1' or '0|1'")
     r.add_argument("--vllm-preload", default="auto",
-                   help="LD_PRELOAD for vLLM: 'auto' (libiomp5.so from its venv, as its CPU backend asks), "
-                        "'none', or ':'-separated paths")
+                   help="LD_PRELOAD for vLLM: 'auto' (tcmalloc if installed + libiomp5.so from its venv, as its "
+                        "CPU backend asks), 'none', or ':'-separated paths")
     r.add_argument("--start-timeout", type=float, default=300.0)
     r.add_argument("--request-timeout", type=float, default=900.0)
     r.add_argument("--run-timeout", type=float, default=1800.0, help="seconds per offline run")

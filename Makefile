@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test,bench]"
-	# the C++ decode-attention kernel, built once here rather than at the first server start
-	$(BIN)/python -c "from phalanx.ops.cpu import main; main()" \
-		|| echo "warning: C++ kernel not built; phalanx falls back to its PyTorch attention"
+	# the fused C++ CPU kernels (phalanx/ops/cpu.py), built once here rather than at the first start
+	@$(BIN)/python -c "from phalanx.ops.cpu import main; main()" \
+		|| echo "warning: C++ kernels not built; phalanx falls back to its PyTorch reference ops"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -147,6 +147,63 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
+// In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
+#if defined(__AVX512F__)
+inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the same operations
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+inline void softmax_row(float* row, int64_t n) {
+  if (n <= 0) return;
+  int64_t l = 0;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; l + 16 <= n; l += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + l));
+  float m = _mm512_reduce_max_ps(vmax);
+  for (; l < n; ++l) m = std::max(m, row[l]);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (l = 0; l + 16 <= n; l += 16) {
+    const __m512 e = exp_nonpositive_ps(_mm512_sub_ps(_mm512_loadu_ps(row + l), vm));
+    _mm512_storeu_ps(row + l, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; l < n; ++l) {
+    row[l] = exp_nonpositive(row[l] - m);
+    sum += row[l];
+  }
+  const float inv = 1.f / sum;
+  for (l = 0; l < n; ++l) row[l] *= inv;
+}
+#else
+inline void softmax_row(float* row, int64_t n) {
+  if (n <= 0) return;
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < n; ++l) m = std::max(m, row[l]);
+  float sum = 0.f;
+  for (int64_t l = 0; l < n; ++l) {
+    row[l] = exp_nonpositive(row[l] - m);
+    sum += row[l];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t l = 0; l < n; ++l) row[l] *= inv;
+}
+#endif
+
 template <typename T>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
                            const int64_t* visible, T* out, int64_t num_seqs, int64_t qlen, int64_t num_heads,
@@ -188,18 +245,8 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
             if (l < limit[r]) scores[r * len + l] = scale * dot(qf.data() + r * head_dim, kv.data(), head_dim);
         }
       }
-      // softmax over each row's visible keys (in key order)
-      for (int64_t r = 0; r < rows; ++r) {
-        float* row = scores.data() + r * len;
-        const int64_t n = limit[r];
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < n; ++l) m = std::max(m, row[l]);
-        for (int64_t l = 0; l < n; ++l) row[l] = exp_nonpositive(row[l] - m);
-        float sum = 0.f;
-        for (int64_t l = 0; l < n; ++l) sum += row[l];
-        const float inv = n > 0 ? 1.f / sum : 0.f;
-        for (int64_t l = 0; l < n; ++l) row[l] *= inv;
-      }
+      // softmax over each row's visible keys
+      for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * len, limit[r]);
       // out_r = sum_l p[r, l] * v_l (in key order)
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t l = 0; l < len; ++l) {

@@ -30,46 +30,42 @@ def timeit(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def attention_cases(kernel, iters: int) -> list[tuple[str, float, float]]:
-    rows = []
-    for seqs, qlen, max_len, kvh, group in [(1, 1, 200, 2, 2), (1, 4, 200, 2, 2), (1, 1, 256, 4, 2),
-                                            (16, 1, 256, 4, 2), (32, 1, 384, 4, 2), (16, 4, 256, 4, 2)]:
-        gen = torch.Generator().manual_seed(seqs * 100 + qlen)
-        d, bs = 64, 16
-        width = (max_len + bs - 1) // bs
-        num_blocks = seqs * width + 8
-        cache = torch.randn(2, kvh, num_blocks, bs, d, generator=gen).bfloat16()
-        table = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
-        lens = torch.randint(max(max_len // 2, qlen), max_len + 1, (seqs,), generator=gen)
-        visible = lens[:, None] - qlen + torch.arange(qlen)[None, :] + 1
-        mask = (torch.arange(width * bs)[None, None, :] >= visible[:, :, None])[:, :, None, :]
-        q = torch.randn(seqs, qlen, kvh * group, d, generator=gen).bfloat16()
-        memo: dict = {}
-        ref = timeit(lambda: _decode_group_attention(q, cache, table, mask, d**-0.5, memo), iters)
-        fused = timeit(lambda: kernel.decode_attention(q, cache, table, visible, d**-0.5), iters)
-        rows.append((f"decode attention, {seqs} req x {qlen} q, ctx <= {max_len}, {kvh * group}/{kvh} heads", ref, fused))
-    return rows
+def attention_case(kernel, iters: int, seqs: int, qlen: int, max_len: int, kvh: int, group: int):
+    gen = torch.Generator().manual_seed(seqs * 100 + qlen)
+    d, bs = 64, 16
+    width = (max_len + bs - 1) // bs
+    num_blocks = seqs * width + 8
+    cache = torch.randn(2, kvh, num_blocks, bs, d, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    lens = torch.randint(max(max_len // 2, qlen), max_len + 1, (seqs,), generator=gen)
+    visible = lens[:, None] - qlen + torch.arange(qlen)[None, :] + 1
+    mask = (torch.arange(width * bs)[None, None, :] >= visible[:, :, None])[:, :, None, :]
+    q = torch.randn(seqs, qlen, kvh * group, d, generator=gen).bfloat16()
+    memo: dict = {}
+    ref = timeit(lambda: _decode_group_attention(q, cache, table, mask, d**-0.5, memo), iters)
+    fused = timeit(lambda: kernel.decode_attention(q, cache, table, visible, d**-0.5), iters)
+    return f"decode attention, {seqs} req x {qlen} q, ctx <= {max_len}, {kvh * group}/{kvh} heads", ref, fused
 
 
-def elementwise_cases(kernel, iters: int) -> list[tuple[str, float, float]]:
-    rows = []
-    for t in (1, 20, 2048):
-        gen = torch.Generator().manual_seed(t)
-        x = torch.randn(t, 512, generator=gen).bfloat16()
-        res = torch.randn(t, 512, generator=gen).bfloat16()
-        norm = RMSNorm(512).bfloat16()
-        ref = timeit(lambda: norm(x + res), iters)
-        norm.kernel = kernel
-        fused = timeit(lambda: norm.add_forward(x, res), iters)
-        rows.append((f"residual add + RMSNorm, {t} x 512", ref, fused))
-        rot = RotaryEmbedding(64, 4096, 10000.0, None)
-        qk = torch.randn(t, 16 * 64, generator=gen).bfloat16()[:, : 12 * 64].view(t, 12, 64)
-        pos = torch.arange(t)
-        ref = timeit(lambda: rot.rotate(pos, qk, {}), iters)
-        rot.kernel = kernel
-        fused = timeit(lambda: rot.rotate(pos, qk, {}), iters)
-        rows.append((f"rotary, {t} tokens x 12 heads x 64", ref, fused))
-    return rows
+def elementwise_case(kernel, iters: int, t: int):
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 512, generator=gen).bfloat16()
+    res = torch.randn(t, 512, generator=gen).bfloat16()
+    norm = RMSNorm(512).bfloat16()
+    ref = timeit(lambda: norm(x + res), iters)
+    norm.kernel = kernel
+    fused = timeit(lambda: norm.add_forward(x, res), iters)
+    rot = RotaryEmbedding(64, 4096, 10000.0, None)
+    qk = torch.randn(t, 16 * 64, generator=gen).bfloat16()[:, : 12 * 64].view(t, 12, 64)
+    pos = torch.arange(t)
+    rot_ref = timeit(lambda: rot.rotate(pos, qk, {}), iters)
+    rot.kernel = kernel
+    rot_fused = timeit(lambda: rot.rotate(pos, qk, {}), iters)
+    return [(f"residual add + RMSNorm, {t} x 512", ref, fused), (f"rotary, {t} tokens x 12 heads x 64", rot_ref, rot_fused)]
+
+
+ATTENTION_CASES = [(1, 1, 200, 2, 2), (1, 4, 200, 2, 2), (1, 1, 256, 4, 2), (16, 1, 256, 4, 2), (32, 1, 384, 4, 2),
+                   (16, 4, 256, 4, 2)]
 
 
 def main() -> None:
@@ -82,7 +78,9 @@ def main() -> None:
     print(f"{args.threads} threads, {args.iters} calls each (medians are not taken: one timed loop per cell)\n")
     print("| op | PyTorch reference (us) | fused C++ (us) | speed-up |")
     print("|---|---|---|---|")
-    for name, ref, fused in attention_cases(kernel, args.iters) + elementwise_cases(kernel, args.iters):
+    rows = [attention_case(kernel, args.iters, *c) for c in ATTENTION_CASES]
+    rows += [r for t in (1, 20, 2048) for r in elementwise_case(kernel, args.iters, t)]
+    for name, ref, fused in rows:
         print(f"| {name} | {ref:.0f} | {fused:.0f} | {ref / fused:.1f}x |")
 
 

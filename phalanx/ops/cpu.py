@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -469,6 +470,31 @@ def build_dir() -> Path:
     return path
 
 
+STALE_LOCK_S = 600.0  # a build takes ~30 s here; a lock this old was left by a killed build
+
+
+def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """torch's JIT build serialises builders with a ``lock`` file and waits for it to disappear
+    forever; a builder killed with SIGKILL (an OOM kill, a CI timeout) leaves it behind and every
+    later start would hang. Remove a lock older than `max_age_s`; returns whether one was removed."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("phalanx: removing a stale kernel build lock %s (%.0f s old)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def _wait_for_other_builder(directory: Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """Another process building holds the lock: wait for it, but never past `max_age_s`."""
+    while (directory / "lock").exists() and not clear_stale_lock(directory, max_age_s):
+        time.sleep(0.5)
+
+
 def load(required: bool = False) -> Any:
     """The compiled module, building it on first use; None when it cannot be built (one warning),
     or an error when ``required``."""
@@ -480,6 +506,7 @@ def load(required: bool = False) -> Any:
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                _wait_for_other_builder(build_dir())
                 _module = load_inline(
                     name="phalanx_cpu_ops",
                     cpp_sources=[_SOURCE],
@@ -534,8 +561,6 @@ def decode_attention(
 
 def main() -> None:
     """Build the kernel ahead of time (``make install``); exits non-zero if it cannot be built."""
-    import time
-
     t0 = time.perf_counter()
     load(required=True)
     print(f"phalanx: C++ kernels ready in {build_dir()} ({time.perf_counter() - t0:.1f}s)")

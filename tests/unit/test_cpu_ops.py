@@ -192,3 +192,20 @@ def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
     assert cpu_ops.attach(m, torch.bfloat16) == 2 and m[0].kernel is not None and m[1].kernel is not None
     monkeypatch.setenv("PHALANX_KERNELS", "torch")
     assert cpu_ops.attach(model(), torch.bfloat16) == 0
+
+
+def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path) -> None:
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert not cpu_ops.clear_stale_lock(tmp_path)  # no lock
+    lock.write_text("")
+    assert not cpu_ops.clear_stale_lock(tmp_path, max_age_s=600) and lock.exists()  # a builder is at work
+    old = time.time() - 3600
+    os.utime(lock, (old, old))  # left by a build killed an hour ago
+    assert cpu_ops.clear_stale_lock(tmp_path, max_age_s=600) and not lock.exists()
+    lock.write_text("")
+    os.utime(lock, (old, old))
+    cpu_ops._wait_for_other_builder(tmp_path, max_age_s=600)  # returns instead of waiting forever
+    assert not lock.exists()

@@ -470,6 +470,8 @@ def build_dir() -> Path:
     return path
 
 
+FUNCTIONS = ("decode_attention", "rms_norm", "add_rms_norm", "rotary")
+CFLAGS = ("-fopenmp", "-ffp-contract=off")  # besides -O3 -march=...: no FMA contraction, so each op rounds as written
 STALE_LOCK_S = 600.0  # a build takes ~30 s here; a lock this old was left by a killed build
 
 
@@ -510,8 +512,8 @@ def load(required: bool = False) -> Any:
                 _module = load_inline(
                     name="phalanx_cpu_ops",
                     cpp_sources=[_SOURCE],
-                    functions=["decode_attention", "rms_norm", "add_rms_norm", "rotary"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                    functions=list(FUNCTIONS),
+                    extra_cflags=["-O3", "-march=native", *CFLAGS],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir()),
                     verbose=False,

@@ -209,3 +209,27 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path) -> None:
     os.utime(lock, (old, old))
     cpu_ops._wait_for_other_builder(tmp_path, max_age_s=600)  # returns instead of waiting forever
     assert not lock.exists()
+
+
+def test_the_portable_build_compiles_and_agrees(kernel) -> None:
+    """Machines without AVX-512 get the plain C++ paths (-march=x86-64-v2 here): they must build and
+    give the same results (bf16 outputs identical after rounding, fp32 within float32 noise)."""
+    from torch.utils.cpp_extension import load_inline
+
+    build = cpu_ops.build_dir() / "x86-64-v2"
+    build.mkdir(exist_ok=True)
+    portable = load_inline(name="phalanx_cpu_ops_portable", cpp_sources=[cpu_ops._SOURCE],
+                           functions=list(cpu_ops.FUNCTIONS), extra_cflags=["-O3", "-march=x86-64-v2", *cpu_ops.CFLAGS],
+                           extra_ldflags=["-fopenmp"], build_directory=str(build))
+    for dtype in (torch.bfloat16, torch.float32):
+        q, cache, table, visible = _case(3, seqs=3, qlen=2, kvh=2, group=2, head_dim=64, block_size=16,
+                                         max_len=150, dtype=dtype)
+        got = portable.decode_attention(q, cache, table, visible, 0.125)
+        want = kernel.decode_attention(q, cache, table, visible, 0.125)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=1e-5)
+    x, res, w = _bf16((5, 256), 1), _bf16((5, 256), 2), _bf16((256,), 3)
+    assert torch.equal(portable.rms_norm(x, w, 1e-5), kernel.rms_norm(x, w, 1e-5))
+    for a, b in zip(portable.add_rms_norm(x, res, w, 1e-5), kernel.add_rms_norm(x, res, w, 1e-5)):
+        assert torch.equal(a, b)
+    qk, cos, sin = _bf16((4, 6, 64), 4), _bf16((4, 1, 64), 5), _bf16((4, 1, 64), 6)
+    assert torch.equal(portable.rotary(qk, cos, sin), kernel.rotary(qk, cos, sin))

@@ -422,13 +422,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   TORCH_CHECK(q.size(3) == kv_cache.size(4), "decode_attention: head_dim mismatch");
   TORCH_CHECK(block_table.size(0) == q.size(0) && visible.size(0) == q.size(0) && visible.size(1) == q.size(1),
               "decode_attention: batch sizes disagree");
+  TORCH_CHECK(kv_cache.is_contiguous(), "decode_attention: kv_cache must be contiguous (it is read in place)");
   q = q.contiguous();
-  kv_cache = kv_cache.contiguous();
   block_table = block_table.contiguous();
   visible = visible.contiguous();
   auto out = torch::empty_like(q);
   const int64_t S = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
+  {  // the kernel reads the cache through the table: an id out of range would read out of bounds
+    const int64_t* t = block_table.data_ptr<int64_t>();
+    for (int64_t i = 0; i < block_table.numel(); ++i)
+      TORCH_CHECK(t[i] >= 0 && t[i] < NB, "decode_attention: block id ", t[i], " outside the cache's ", NB, " blocks");
+  }
   const int64_t plane = KVH * NB * BS * D;  // keys, then values
   if (q.scalar_type() == torch::kBFloat16) {
     const auto* base = kv_cache.data_ptr<c10::BFloat16>();
@@ -520,15 +525,16 @@ def load(required: bool = False) -> Any:
                 )
             except Exception as exc:  # no compiler / ninja / headers: the reference path still works
                 _failed = f"{type(exc).__name__}: {exc}".strip()[:2000]
-                log.warning("phalanx: the C++ decode-attention kernel could not be built (%s); "
-                            "using the PyTorch reference path", _failed.splitlines()[0])
+                log.warning("phalanx: the C++ kernels could not be built (%s); using the PyTorch "
+                            "reference ops", _failed.splitlines()[0])
     if _module is None and required:
-        raise RuntimeError(f"PHALANX_KERNELS=cpp but the kernel could not be built: {_failed}")
+        raise RuntimeError(f"PHALANX_KERNELS=cpp but the C++ kernels could not be built: {_failed}")
     return _module
 
 
 def kernel_for(dtype: torch.dtype) -> Any:
-    """The module when the decode kernel should serve tensors of `dtype`, else None."""
+    """The compiled module when its kernels should serve tensors of `dtype` (the decode attention:
+    bf16 and fp32), else None."""
     choice = backend()
     if choice == "torch" or dtype not in SUPPORTED_DTYPES:
         return None
@@ -562,7 +568,7 @@ def decode_attention(
 
 
 def main() -> None:
-    """Build the kernel ahead of time (``make install``); exits non-zero if it cannot be built."""
+    """Build the kernels ahead of time (``make install``); raises if they cannot be built."""
     t0 = time.perf_counter()
     load(required=True)
     print(f"phalanx: C++ kernels ready in {build_dir()} ({time.perf_counter() - t0:.1f}s)")

@@ -108,6 +108,12 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
         kernel.decode_attention(q.half(), cache.half(), table, visible, 1.0)
     with pytest.raises(RuntimeError, match="batch sizes disagree"):
         kernel.decode_attention(q, cache, table[:1], visible, 1.0)
+    bad = table.clone()
+    bad[1, 0] = cache.shape[2]
+    with pytest.raises(RuntimeError, match=f"block id {cache.shape[2]} outside the cache's {cache.shape[2]} blocks"):
+        kernel.decode_attention(q, cache, bad, visible, 1.0)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        kernel.decode_attention(q, cache.transpose(2, 3), table, visible, 1.0)
 
 
 def test_backend_switch(monkeypatch) -> None:

@@ -301,14 +301,7 @@ inline uint16_t* u16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(
 
 // 1 / sqrt(mean(x^2) + eps) over one row, float32, fixed order.
 inline float inv_rms(const float* x, int64_t n, float eps) {
-  float lanes[kLanes] = {0.f};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int j = 0; j < kLanes; ++j) lanes[j] += x[d + j] * x[d + j];
-  float ss = 0.f;
-  for (int j = 0; j < kLanes; ++j) ss += lanes[j];
-  for (; d < n; ++d) ss += x[d] * x[d];
-  return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  return 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
 }
 
 void check_bf16_rows(const torch::Tensor& x, const char* op) {

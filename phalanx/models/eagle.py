@@ -208,7 +208,7 @@ def load_eagle_head(folder: str, method: str, target: CausalLM) -> Eagle1Head | 
         torch.set_default_dtype(old)
     head.load(iterate_weights(folder))
     head.eval()
-    cpu_ops.attach(head, cfg.dtype)  # fused norm / rotary / SiLU kernels (bf16), like the target
+    cpu_ops.attach(head, cfg.dtype)  # fused norm / rotary kernels (bf16), like the target
     if prepack_supported(cfg.dtype):
         prepack_linears(head)  # after loading, like the target (layers.linear)
     return head

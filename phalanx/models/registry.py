@@ -44,5 +44,5 @@ def load_model(cfg: ModelConfig, expert_shard: tuple[int, int] | None = None) ->
     model.load_weights(iterate_weights(cfg.path))  # type: ignore[attr-defined]
     model.eval()
     model.prepack()  # type: ignore[attr-defined]
-    cpu_ops.attach(model, cfg.dtype)  # fused norm / rotary / SiLU kernels (bf16)
+    cpu_ops.attach(model, cfg.dtype)  # fused norm / rotary kernels (bf16)
     return model  # type: ignore[return-value]

@@ -459,11 +459,26 @@ def backend() -> str:
     return value
 
 
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: the build uses -march=native, so a cache shared
+    between different machines (a network home) must not hand one CPU another's binary."""
+    import hashlib
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        import platform
+
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
 def build_dir() -> Path:
     root = os.environ.get("PHALANX_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx", "kernels"
     )
-    path = Path(root) / f"torch-{torch.__version__}"
+    path = Path(root) / f"torch-{torch.__version__}-flags-{_cpu_tag()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -507,6 +522,7 @@ def load(required: bool = False) -> Any:
                 from torch.utils.cpp_extension import load_inline
 
                 _wait_for_other_builder(build_dir())
+                log.info("phalanx: loading the C++ kernels from %s (the first use builds them, ~30 s)", build_dir())
                 _module = load_inline(
                     name="phalanx_cpu_ops",
                     cpp_sources=[_SOURCE],

@@ -68,20 +68,37 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// bf16 <-> float32 on uint16 bit patterns, written so loops over them vectorise (c10::BFloat16's
+// conversions are not inlined into vector code): bf16 -> float is a shift, float -> bf16 rounds to
+// nearest even exactly as c10 does (NaN -> canonical NaN).
+inline float bits_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(float));
+  return f;
+}
+
+inline uint16_t float_to_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(float));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+inline float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
+
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-    std::memcpy(dst + i, &bits, sizeof(float));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(s[i]);
 }
 
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = float_to_bits(src[i]);
 }
 
 // Dot product with a fixed summation order (kLanes partial sums, then lane 0..kLanes-1).
@@ -121,7 +138,8 @@ inline void axpy_bf16(float* acc, float p, const c10::BFloat16* v, int64_t n) {
     const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + d)));
   }
-  for (; d < n; ++d) acc[d] = std::fma(p, static_cast<float>(v[d]), acc[d]);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(v);
+  for (; d < n; ++d) acc[d] = std::fma(p, bits_to_float(bits[d]), acc[d]);
 }
 #else
 constexpr bool kBf16Dot = false;
@@ -148,7 +166,6 @@ inline float exp_nonpositive(float x) {
   return y * scale;
 }
 
-// In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
 #if defined(__AVX512F__)
 inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the same operations
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -168,6 +185,7 @@ inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the 
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
+// In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
 inline void softmax_row(float* row, int64_t n) {
   if (n <= 0) return;
   int64_t l = 0;
@@ -276,25 +294,6 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 }  // namespace
 
 // ---- elementwise ops of a decoder layer, bf16 only, same rounding steps as the PyTorch ops --------
-// Written as plain loops over uint16 bit patterns so the compiler vectorises them (c10::BFloat16's
-// conversions are not inlined into vector code): bf16 -> float is a shift, float -> bf16 rounds to
-// nearest even exactly as c10 does (NaN -> canonical NaN).
-
-inline float bits_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(float));
-  return f;
-}
-
-inline uint16_t float_to_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(float));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
-}
-
-inline float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
 
 inline const uint16_t* u16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* u16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }

@@ -123,6 +123,26 @@ class EngineProcessConfig(msgspec.Struct):
 
 HEARTBEAT_INTERVAL_S = 1.0  # the head pings remote ranks this often
 
+STEP_DELAY_ENV = "PHALANX_DEBUG_STEP_DELAY_MS"
+
+
+def step_delay_s(environ: dict[str, str] | os._Environ = os.environ) -> float:
+    """Seconds to sleep after every forward step (``PHALANX_DEBUG_STEP_DELAY_MS``, default 0).
+
+    A debugging / testing aid that makes a tiny model behave like a slow one, so that races between
+    clients and generation (disconnects, aborts, engine deaths mid-request) can be reproduced
+    deterministically instead of depending on how fast the machine happens to be."""
+    raw = environ.get(STEP_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not 0.0 <= ms <= 60_000.0:  # also rejects nan
+        raise ValueError(f"{STEP_DELAY_ENV}={raw!r}: expected a number of milliseconds in [0, 60000]")
+    return ms / 1000.0
+
 
 # ---- the process ---------------------------------------------------------------------------------
 
@@ -150,6 +170,7 @@ def run_engine_core(config_bytes: bytes) -> None:
     encoder = msgspec.msgpack.Encoder()
     code = 0
     try:
+        delay = step_delay_s()
         engine = _build_engine(cfg)
     except Exception as e:  # noqa: BLE001 - start-up errors (bad path, bad config, OOM) are reported, not raised
         out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
@@ -167,7 +188,7 @@ def run_engine_core(config_bytes: bytes) -> None:
             )
         )
         try:
-            EngineCoreLoop(engine, cfg, in_sock, out_sock).run()
+            EngineCoreLoop(engine, cfg, in_sock, out_sock, step_delay=delay).run()
         except Exception as e:  # noqa: BLE001 - any step error kills this rank; the client must hear why
             logger.error("engine core failed:\n%s", traceback.format_exc())
             out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
@@ -217,7 +238,12 @@ class EngineCoreLoop:
     """Busy/idle loop of one rank. `run` returns on Shutdown or when the parent process is gone."""
 
     def __init__(
-        self, engine: Any, cfg: EngineProcessConfig, in_sock: zmq.Socket, out_sock: zmq.Socket
+        self,
+        engine: Any,
+        cfg: EngineProcessConfig,
+        in_sock: zmq.Socket,
+        out_sock: zmq.Socket,
+        step_delay: float = 0.0,
     ) -> None:
         self.engine = engine
         self.cfg = cfg
@@ -232,6 +258,9 @@ class EngineCoreLoop:
         self.last_heard: float | None = None  # last message from the head (None: not yet)
         self.stats_dirty = True
         self.last_stats_time = 0.0
+        self.step_delay_s = step_delay
+        if self.step_delay_s:
+            logger.warning("%s: every step sleeps %.0f ms (debugging aid)", STEP_DELAY_ENV, self.step_delay_s * 1e3)
 
     def run(self) -> None:
         if self.engine.lockstep:
@@ -250,6 +279,8 @@ class EngineCoreLoop:
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 self.stats_dirty = True
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
             self._send(outputs)
 
     def _run_lockstep(self) -> None:
@@ -269,6 +300,8 @@ class EngineCoreLoop:
             elif self._head_silent():
                 shutdown = True
             outputs, plan = self.engine.step_lockstep(shutdown=shutdown)
+            if self.step_delay_s and plan.run_forward:
+                time.sleep(self.step_delay_s)
             if outputs:
                 self.stats_dirty = True
             self._send(outputs)

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from phalanx import LLM, SamplingParams
+from phalanx.engine.core_process import STEP_DELAY_ENV
 from phalanx.net import free_port
 from tests.e2e.conftest import MODEL_NAME, serve_command, start_server
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
@@ -235,8 +236,9 @@ def test_headless_node_stops_when_its_head_dies(models: dict[str, Path], tmp_pat
 
 
 def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Path) -> None:
+    # 20 ms per step: the 200-token requests (>= 4 s) are certainly still running at the kill, 1 s in.
     server = start_server(models["moe"], tmp_path / "s.log", "-dp", "2", "--enable-expert-parallel",
-                          "--dp-timeout", "20", "--max-model-len", "256")
+                          "--dp-timeout", "20", "--max-model-len", "256", env={STEP_DELAY_ENV: "20"})
     pids = server.engine_pids()
     assert len(pids) == 2
 

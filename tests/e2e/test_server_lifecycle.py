@@ -9,12 +9,14 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from phalanx.engine.core_process import STEP_DELAY_ENV, step_delay_s
 from tests.e2e.conftest import API_KEY, MODEL_NAME, REPO, ServerProcess, serve_command, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -43,9 +45,32 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_stream_disconnect_frees_blocks(server: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def slow_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny model generates 200 tokens in ~0.3 s, faster than a client can poll /metrics: every
+    step sleeps 20 ms here so a request is reliably still running when the client walks away."""
+    log_path = tmp_path_factory.mktemp("slow_server") / "server.log"
+    srv = start_server(tiny_model, log_path, "--api-key", API_KEY, "--max-model-len", "256",
+                       env={STEP_DELAY_ENV: "20"})  # fmt: skip
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"server exited with {code}:\n{srv.log()[-3000:]}"
+
+
+def test_step_delay_setting() -> None:
+    assert step_delay_s({}) == 0.0 and step_delay_s({STEP_DELAY_ENV: " "}) == 0.0
+    assert step_delay_s({STEP_DELAY_ENV: "20"}) == pytest.approx(0.02)
+    for bad in ("-1", "fast", "nan", "1e9"):
+        with pytest.raises(ValueError, match=STEP_DELAY_ENV):
+            step_delay_s({STEP_DELAY_ENV: bad})
+
+
+def test_stream_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
     """A client that drops a stream mid-way aborts its request; its KV blocks come back."""
-    url = server.base_url
+    url = slow_server.base_url
+    abort_key = ("phalanx:request_success_total", (("finished_reason", "abort"),))
+    aborts_before = metrics(url).get(abort_key, 0.0)
+    generated_before = gauge_sum(metrics(url), "phalanx:generation_tokens_total")
     with (
         httpx.Client(base_url=url, headers=AUTH, timeout=30) as c,
         c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
@@ -56,7 +81,7 @@ def test_stream_disconnect_frees_blocks(server: ServerProcess) -> None:
         assert any(line.startswith("data: ") for line in got)
         wait_for(lambda: gauge_sum(metrics(url), "phalanx:kv_cache_usage_perc") > 0, what="KV blocks in use")
         assert gauge_sum(metrics(url), "phalanx:num_requests_running") == 1
-    # Leaving the block closes the connection before the 200 tokens are done.
+    # Leaving the block closes the connection long before the 200 tokens (>= 4 s here) are done.
     wait_for(
         lambda: (
             gauge_sum(metrics(url), "phalanx:num_requests_running") == 0
@@ -65,16 +90,17 @@ def test_stream_disconnect_frees_blocks(server: ServerProcess) -> None:
         what="the aborted request's blocks to be freed",
     )
     m = metrics(url)
-    assert m[("phalanx:request_success_total", (("finished_reason", "abort"),))] >= 1
+    assert m[abort_key] == aborts_before + 1
+    assert gauge_sum(m, "phalanx:generation_tokens_total") - generated_before < 200
 
 
-def test_non_streaming_disconnect_frees_blocks(server: ServerProcess) -> None:
+def test_non_streaming_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
     """A client that gives up on a non-streaming request aborts it too (not run to completion)."""
-    url = server.base_url
+    url = slow_server.base_url
     abort_key = ("phalanx:request_success_total", (("finished_reason", "abort"),))
     aborts_before = metrics(url).get(abort_key, 0.0)
     generated_before = gauge_sum(metrics(url), "phalanx:generation_tokens_total")
-    # 16 samples of 240 tokens keep the engine busy for well over the client's patience.
+    # 16 samples of 240 tokens keep the engine busy (>= 4.8 s here) for well over the client's patience.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240, "n": 16}, headers=AUTH, timeout=0.25)
     wait_for(
@@ -146,8 +172,9 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
     speculative stats. Killing one rank makes /health 503, fails in-flight requests promptly, shuts the
     other rank down, and the server exits non-zero within seconds (never a hang)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
+    # 5 ms per step: the 8 x 500-token request below is certainly still running when the rank dies.
     srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "512",
-                       "--speculative-config", spec)  # fmt: skip
+                       "--speculative-config", spec, env={STEP_DELAY_ENV: "5"})  # fmt: skip
     try:
         pids = srv.engine_pids()
         assert len(pids) == 2

@@ -356,6 +356,26 @@ def load_head(path, target) -> EagleHead:
     return head
 
 
+def grow_from(head: EagleHead, prev: EagleHead, where: object = "the previous head") -> None:
+    """Start ``head`` from ``prev``: the same configuration, or ``prev`` with fewer layers. The extra
+    layers go on top and start as the identity (their ``o_proj`` and ``down_proj`` are zero, so the
+    residual stream passes through): the grown head drafts exactly as ``prev`` until trained."""
+    n_prev, n = len(prev.layers), len(head.layers)
+    same = {k: v for k, v in prev.cfg.items() if k != "num_hidden_layers"} == {
+        k: v for k, v in head.cfg.items() if k != "num_hidden_layers"
+    }
+    if not same or n_prev > n:
+        raise ValueError(f"{where} was trained with another configuration ({n_prev} layers, {prev.cfg}); "
+                         f"a head can continue from one with the same settings and at most as many layers")
+    missing, unexpected = head.load_state_dict(prev.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    assert all(k.startswith(tuple(f"layers.{i}." for i in range(n_prev, n))) for k in missing), missing
+    with torch.no_grad():
+        for lyr in list(head.layers)[n_prev:]:
+            lyr.self_attn.o_proj.weight.zero_()
+            lyr.mlp.down_proj.weight.zero_()
+
+
 # --------------------------------------------------------------------------- features
 @torch.no_grad()
 def target_features(target, ids: torch.Tensor, att: torch.Tensor, aux_ids: list[int]):
@@ -493,8 +513,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     prior_curve = {"train": [], "val": [], "stages": []}
     if init_from is not None:
         prev = load_head(init_from, target)
-        assert prev.cfg == cfg, f"{init_from} was trained with another configuration"
-        head.load_state_dict(prev.state_dict())
+        grow_from(head, prev, init_from)
         curve_file = WORK_DIR / "results" / f"{Path(init_from).name}-curve.json"
         if curve_file.exists():
             prior_curve = json.loads(curve_file.read_text())
@@ -601,7 +620,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     save_head(head, cfg, MODELS_DIR / name, TOK_DIR)
     plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
                 f"{name} ({nparams / 1e6:.2f}M params)")
-    stages = prior_curve["stages"] + [{"steps": steps, "lr": lr, "train_time_s": round(train_time)}]
+    stages = prior_curve["stages"] + [{"steps": steps, "lr": lr, "layers": layers, "train_time_s": round(train_time)}]
     res = {"name": name, "params": nparams, "steps": offset + steps, "batch": batch, "passes": passes,
            "layers": layers, "stages": stages, "train_time_s": sum(st["train_time_s"] for st in stages),
            "final_val_loss": val_pts[-1][1], "seed": seed, "aux_ids": aux_ids if eagle3 else None}

@@ -103,3 +103,32 @@ def test_aux_hidden_states_follow_the_heads_order(target: Path) -> None:
         _, sorted_aux = model(torch.tensor([5, 6, 7]), kv, meta, aux_layer_ids=(0, 2))
     assert len(aux) == 3
     assert torch.equal(aux[0], sorted_aux[1]) and torch.equal(aux[1], sorted_aux[0]) and torch.equal(aux[2], aux[0])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_grown_head_starts_as_the_smaller_head(method: str, target: Path, tmp_path: Path) -> None:
+    """The demo trainer's growth step (a 2-layer head continued as 3 layers): the new top layer starts
+    as the identity, so the grown head computes exactly what the smaller one did; shrinking or
+    changing any other setting is refused."""
+    import json
+
+    from phalanx.demo.eagle import EagleHead, grow_from, load_head
+
+    hf = load_hf(target)
+    small = load_head(make_eagle_head(target, tmp_path / "h2", method, seed=5, num_layers=2), hf)
+    emb, lm = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    big = EagleHead({**small.cfg, "num_hidden_layers": 3}, method == "eagle3", emb, lm)
+    grow_from(big, small)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, hf.config.vocab_size, (9,), generator=g)
+    feats = torch.randn(9, hf.config.hidden_size, generator=g)  # EAGLE-3: already fused by fc
+    with torch.no_grad():
+        torch.testing.assert_close(big.causal_forward(tokens, feats), small.causal_forward(tokens, feats))
+    assert any(p.abs().sum() > 0 for p in big.layers[2].self_attn.q_proj.parameters())  # random, not zero
+    with pytest.raises(ValueError, match="at most as many layers"):
+        grow_from(small, big)
+    other = EagleHead({**small.cfg, "intermediate_size": 2 * small.cfg["intermediate_size"]},
+                      method == "eagle3", emb, lm)
+    with pytest.raises(ValueError, match="another configuration"):
+        grow_from(other, small)
+    json.dumps(big.cfg)  # still a plain config

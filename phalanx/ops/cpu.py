@@ -16,7 +16,10 @@ dropped: PyTorch's two vectorised ops beat a plain C++ loop at every size.)
 
 decode_attention reads the keys and values straight from the paged cache through the block table,
 once per (request, KV head) for all of its query heads and query tokens, with AVX512-BF16 dot
-products, float32 scores, softmax and accumulation, the output rounded once (the reference rounds
+products (bf16 with head_dim 32-128: 16 keys per step and one transpose-and-add tree for their 16
+sums, then the values streamed past register-held accumulators of up to 4 query rows; 2-2.6x
+faster than one horizontal reduction and one accumulator round trip per key), float32 scores,
+softmax and accumulation, the output rounded once (the reference rounds
 scores and probabilities to the activation dtype in between). Each query's result depends only on
 its own query, keys and values, never on the batch or on how many query tokens its request has
 (every reduction runs in a fixed order): the kernel is batch-invariant. bf16 and float32.
@@ -141,6 +144,29 @@ inline void axpy_bf16(float* acc, float p, const c10::BFloat16* v, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(v);
   for (; d < n; ++d) acc[d] = std::fma(p, bits_to_float(bits[d]), acc[d]);
 }
+
+// Lane j of the result = the sum of v[j]'s 16 lanes (a fixed transpose-and-add tree: 15 adds and
+// 14 shuffles for 16 sums, against 16 full horizontal reductions).
+inline __m512 reduce16(const __m512* v) {
+  __m512 s1[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 s2[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's partial sums of four vectors
+    const __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // across the four 128-bit lanes: 0x88 picks lanes (0, 2), 0xDD lanes (1, 3) of each operand
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+}
+
+inline __m512 load_bf16_ps(const c10::BFloat16* p) {  // 16 bf16 -> 16 float32 (exact)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 #else
 constexpr bool kBf16Dot = false;
 inline float dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t) { return 0.f; }
@@ -223,6 +249,66 @@ inline void softmax_row(float* row, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One (request, KV head) task of the bf16 decode attention for head_dim = 16 * NV (NV even):
+// scores 16 keys at a time (AVX512-BF16 dots, one reduce16 per 16 keys), softmax per row, then the
+// weighted sum of values with each tile of RT query rows' accumulators held in registers while
+// the keys stream past. Every sum runs in a fixed order that depends only on the row's own keys.
+template <int NV>
+void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* const* krow,
+                      const c10::BFloat16* const* vrow, const int64_t* limit, int64_t rows, int64_t len,
+                      float scale, float* scores, c10::BFloat16* const* orow) {
+  constexpr int ND = NV / 2;  // 32-element bf16 pair chunks per head
+  constexpr int RT = NV <= 4 ? 4 : 2;  // query rows per register tile in the value pass
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512bh qv[ND];
+    for (int c = 0; c < ND; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow[r] + 32 * c);
+    float* srow = scores + r * len;
+    for (int64_t l0 = 0; l0 < limit[r]; l0 += 16) {
+      const int64_t n = std::min<int64_t>(16, limit[r] - l0);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const c10::BFloat16* k = krow[l0 + std::min<int64_t>(j, n - 1)];  // past n: a repeat, unused
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < ND; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        acc[j] = a;
+      }
+      const __mmask16 m = static_cast<__mmask16>((1u << n) - 1u);
+      _mm512_mask_storeu_ps(srow + l0, m, _mm512_mul_ps(reduce16(acc), vscale));
+    }
+    softmax_row(srow, limit[r]);
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+    const int64_t nr = std::min<int64_t>(RT, rows - r0);
+    int64_t tile_len = 0;
+    for (int64_t i = 0; i < nr; ++i) tile_len = std::max(tile_len, limit[r0 + i]);
+    __m512 acc[RT][NV];
+    for (int i = 0; i < RT; ++i)
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < tile_len; ++l) {
+      __m512 vf[NV];
+      for (int c = 0; c < NV; ++c) vf[c] = load_bf16_ps(vrow[l] + 16 * c);
+      for (int i = 0; i < RT; ++i) {
+        if (i >= nr || l >= limit[r0 + i]) continue;  // a key this row does not see: no term at all
+        const __m512 p = _mm512_set1_ps(scores[(r0 + i) * len + l]);
+        for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(p, vf[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < nr; ++i) {
+      alignas(64) float tmp[16 * NV];
+      for (int c = 0; c < NV; ++c) _mm512_store_ps(tmp + 16 * c, acc[i][c]);
+      from_float(tmp, orow[r0 + i], 16 * NV);
+    }
+  }
+}
+
+#else
+template <int NV>
+void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, const c10::BFloat16* const*,
+                      const int64_t*, int64_t, int64_t, float, float*, c10::BFloat16* const*) {}
+#endif
+
 template <typename T>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
                            const int64_t* visible, T* out, int64_t num_seqs, int64_t qlen, int64_t num_heads,
@@ -232,9 +318,13 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = qlen * group;  // query vectors that share one KV head of one sequence
   const int64_t max_len = table_width * block_size;
+  // bf16 with head_dim 32 / 64 / 96 / 128: the register-tiled task (decode_task_bf16)
+  const int64_t nv = head_dim / 16;
+  const bool tiled = bf16_dot && head_dim % 32 == 0 && nv >= 2 && nv <= 8;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * head_dim), acc(rows * head_dim), kv(head_dim), scores;
-    std::vector<const T*> qrow(rows);
+    std::vector<const T*> qrow(rows), krow, vrow;
+    std::vector<T*> orow(rows);
     std::vector<int64_t> limit(rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
@@ -242,6 +332,31 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
       for (int64_t r = 0; r < rows; ++r) {
         limit[r] = std::min<int64_t>(std::max<int64_t>(visible[s * qlen + r / group], 0), max_len);
         len = std::max(len, limit[r]);
+      }
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (tiled) {
+          const int64_t* table = block_table + s * table_width;
+          krow.resize(len);
+          vrow.resize(len);
+          for (int64_t l = 0; l < len; ++l) {
+            const int64_t slot = (h * num_blocks + table[l / block_size]) * block_size + l % block_size;
+            krow[l] = k_cache + slot * head_dim;
+            vrow[l] = v_cache + slot * head_dim;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t qi = r / group, head = h * group + r % group;
+            qrow[r] = q + ((s * qlen + qi) * num_heads + head) * head_dim;
+            orow[r] = out + ((s * qlen + qi) * num_heads + head) * head_dim;
+          }
+          scores.resize(rows * std::max<int64_t>(len, 1));
+          using Task = void (*)(const T* const*, const T* const*, const T* const*, const int64_t*, int64_t,
+                                int64_t, float, float*, T* const*);
+          static constexpr Task tasks[] = {nullptr, nullptr, decode_task_bf16<2>, nullptr, decode_task_bf16<4>,
+                                           nullptr, decode_task_bf16<6>, nullptr, decode_task_bf16<8>};
+          tasks[nv](qrow.data(), krow.data(), vrow.data(), limit.data(), rows, len, scale, scores.data(),
+                    orow.data());
+          continue;
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = r / group, head = h * group + r % group;

@@ -56,7 +56,7 @@ def _truth(q, cache, table, visible, scale):  # float64, one query at a time
     qlen=st.integers(1, 5),
     kvh=st.sampled_from([1, 2, 4]),
     group=st.sampled_from([1, 2, 4]),
-    head_dim=st.sampled_from([8, 24, 64]),
+    head_dim=st.sampled_from([8, 24, 32, 64, 96, 128]),  # 32..128: the register-tiled bf16 task
     block_size=st.sampled_from([1, 4, 16]),
     max_len=st.integers(5, 70),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -80,10 +80,11 @@ def test_kernel_matches_float64_and_the_reference(seed, seqs, qlen, kvh, group, 
     torch.testing.assert_close(out.double(), ref.double(), **ref_tol)
 
 
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_batch_and_query_count_invariant(kernel, dtype) -> None:
-    q, cache, table, visible = _case(7, seqs=6, qlen=4, kvh=2, group=2, head_dim=64, block_size=16, max_len=90,
-                                     dtype=dtype)
+def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim) -> None:
+    q, cache, table, visible = _case(7, seqs=6, qlen=4, kvh=2, group=2, head_dim=head_dim, block_size=16,
+                                     max_len=90, dtype=dtype)
     full = kernel.decode_attention(q, cache, table, visible, 0.125)
     for s in range(q.shape[0]):
         alone = kernel.decode_attention(q[s : s + 1], cache, table[s : s + 1], visible[s : s + 1], 0.125)

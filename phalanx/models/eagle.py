@@ -136,8 +136,8 @@ class Eagle1Head(_HeadBase):
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids
         if self.lm_head is None:
-            return self.target[0].compute_logits(hidden).argmax(dim=-1)
-        return self.lm_head(hidden).argmax(dim=-1)
+            return cpu_ops.argmax(self.target[0].compute_logits(hidden, float32=False))
+        return cpu_ops.argmax(self.lm_head(hidden))
 
 
 class Eagle3Layer(nn.Module):
@@ -193,7 +193,7 @@ class Eagle3Head(_HeadBase):
         return self.norm(pre), pre
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] normed -> [N] target ids
-        draft_ids = self.lm_head(hidden).argmax(dim=-1)
+        draft_ids = cpu_ops.argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
 
 

@@ -133,12 +133,16 @@ class CausalLM(nn.Module):
         # in the order the head lists them (a repeated id repeats its layer)
         return self.model.norm(x), [captured[i] for i in aux_layer_ids]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
+        """float32 logits (sampling), or in the model's dtype with ``float32=False`` (an argmax
+        needs no float32 copy: bf16 -> float32 is exact, so the answer is the same)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head is not None:
-            return self.tied_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        return logits.float() if float32 else logits
 
     def prepack(self) -> None:
         """bf16 on CPU: pack every linear, the experts and the logits head for oneDNN once, after

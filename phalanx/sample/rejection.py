@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.ops import cpu as cpu_ops
 from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.sampler import (
     LogprobsTensors,
@@ -120,7 +121,7 @@ def rejection_sample(
     layout = _DraftLayout.build(draft_token_ids, target_logits.device)
     expanded = meta.expand_for_verification(num_rows, draft_token_ids)
     penalised = apply_penalties_and_bans(target_logits, expanded)  # [T, V]
-    target_argmax = penalised.argmax(dim=-1)  # [T]; taken before temperature is applied in place
+    target_argmax = cpu_ops.argmax(penalised)  # [T]; taken before temperature is applied in place
     probs = None  # [T, V] processed target distribution; only random rows need it
     if not meta.all_greedy:
         probs = torch.softmax(apply_temperature_and_truncation(penalised, expanded), dim=-1)

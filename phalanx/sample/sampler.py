@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.ops import cpu as cpu_ops
 from phalanx.sample.metadata import SamplingMetadata
 
 # Exponential draws are clamped away from 0 so probs / q never divides by zero; the bias (a draw
@@ -172,7 +173,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: [B, V] raw model logits, one row per ``meta`` row."""
         penalised = apply_penalties_and_bans(logits, meta)  # [B, V]
-        greedy_ids = penalised.argmax(dim=-1)  # [B]; computed before the in-place temperature
+        greedy_ids = cpu_ops.argmax(penalised)  # [B]; computed before the in-place temperature
         if meta.all_greedy:
             sampled = greedy_ids
         else:

@@ -26,6 +26,7 @@ from phalanx.distributed.expert_parallel import install_expert_parallel
 from phalanx.distributed.group import DPGroup
 from phalanx.distributed.vote import StepPlan
 from phalanx.models.registry import load_model
+from phalanx.ops import cpu as cpu_ops
 from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
@@ -284,10 +285,11 @@ class ModelRunner:
         )
         return self.proposer.propose(batch)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The lm_head (float32 logits), counted as model-forward time in the overhead figure."""
+    def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The lm_head (float32 logits, or the model dtype's), counted as model-forward time in the
+        overhead figure."""
         t0 = time.perf_counter()
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, float32)
         self.forward_seconds += time.perf_counter() - t0
         return logits
 
@@ -335,7 +337,7 @@ class ModelRunner:
     ) -> None:
         """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
-        targets = self._logits(hidden).argmax(dim=-1)  # [rows]
+        targets = cpu_ops.argmax(self._logits(hidden, float32=False))  # [rows]
         num_drafts = torch.tensor([len(d) for d in drafts_of], dtype=torch.int64)  # [B]
         k = int(num_drafts.max())
         # Accepted prefix length per request, vectorised over the batch:

@@ -177,6 +177,55 @@ def test_rotary_is_bitwise_the_reference_on_strided_views(kernel) -> None:
     assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 15), (3, 16), (5, 17), (33, 704), (2, 1408)])
+def test_silu_mul_matches_the_reference(kernel, rows: int, inter: int) -> None:
+    from phalanx.layers.mlp import GatedMLP
+
+    x = _bf16((rows, 2 * inter), rows * inter, 4.0)
+    x[0, : min(inter, 6)] = torch.tensor([0.0, -0.0, 95.0, -95.0, 300.0, -300.0])[: min(inter, 6)].bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    # a different exp polynomial than torch's Sleef can flip a bf16 rounding (one ulp, rarely)
+    _close_to_reference(kernel.silu_mul(x), ref)
+    mlp = GatedMLP(32, inter).bfloat16()
+    h = _bf16((rows, 32), 9)
+    with torch.no_grad():
+        want = mlp(h)
+        mlp.kernel = kernel
+        torch.testing.assert_close(mlp(h), want, atol=2e-2, rtol=2e-2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([1, 2, 15, 16, 17, 31, 33, 100, 925, 4099]),
+    levels=st.sampled_from([2, 5, 1000]),  # few distinct values: many ties
+    special=st.sampled_from(["none", "nan", "-inf", "+inf"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_argmax_is_torchs(seed, rows, vocab, levels, special, dtype) -> None:
+    """The first index of the maximum, NaN counting as the maximum: exactly torch.argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, vocab), generator=gen).float().to(dtype)
+    if special != "none":
+        value = {"nan": float("nan"), "-inf": float("-inf"), "+inf": float("inf")}[special]
+        hit = torch.rand(rows, vocab, generator=gen) < 0.05
+        x[hit] = value
+        x[-1] = value  # a row of nothing else
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    wide = torch.cat([x, x], dim=1)[:, 1:]  # a strided view
+    assert torch.equal(cpu_ops.argmax(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_falls_back_to_torch(monkeypatch) -> None:
+    x = torch.randn(3, 50, dtype=torch.float64)  # a dtype the kernel does not serve
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    monkeypatch.setenv("PHALANX_KERNELS", "torch")
+    y = torch.randn(3, 50)
+    assert torch.equal(cpu_ops.argmax(y), y.argmax(dim=-1))
+
+
 def test_elementwise_ops_reject_what_they_do_not_serve(kernel) -> None:
     with pytest.raises(RuntimeError, match="expects bfloat16"):
         kernel.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
@@ -184,6 +233,12 @@ def test_elementwise_ops_reject_what_they_do_not_serve(kernel) -> None:
         kernel.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(4).bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match="must be \\[T, N, D\\] with even D"):
         kernel.rotary(torch.randn(2, 3, 7).bfloat16(), torch.ones(2, 1, 7).bfloat16(), torch.ones(2, 1, 7).bfloat16())
+    with pytest.raises(RuntimeError, match=r"must be \[T, 2 \* I\]"):
+        kernel.silu_mul(torch.randn(2, 7).bfloat16())
+    with pytest.raises(RuntimeError, match="with V > 0"):
+        kernel.argmax_rows(torch.randn(2, 0))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        kernel.argmax_rows(torch.randn(2, 3, dtype=torch.float64))
 
 
 def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
@@ -196,7 +251,7 @@ def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
 
     assert cpu_ops.attach(model(), torch.float32) == 0  # float32 keeps the reference ops (parity)
     m = model()
-    assert cpu_ops.attach(m, torch.bfloat16) == 2 and m[0].kernel is not None and m[1].kernel is not None
+    assert cpu_ops.attach(m, torch.bfloat16) == 3 and all(x.kernel is not None for x in m)
     monkeypatch.setenv("PHALANX_KERNELS", "torch")
     assert cpu_ops.attach(model(), torch.bfloat16) == 0
 
@@ -240,3 +295,8 @@ def test_the_portable_build_compiles_and_agrees(kernel) -> None:
         assert torch.equal(a, b)
     qk, cos, sin = _bf16((4, 6, 64), 4), _bf16((4, 1, 64), 5), _bf16((4, 1, 64), 6)
     assert torch.equal(portable.rotary(qk, cos, sin), kernel.rotary(qk, cos, sin))
+    gu = _bf16((3, 2 * 40), 7, 4.0)
+    _close_to_reference(portable.silu_mul(gu), kernel.silu_mul(gu))
+    logits = torch.randint(0, 7, (4, 333)).float()
+    for x in (logits, logits.bfloat16()):
+        assert torch.equal(portable.argmax_rows(x), kernel.argmax_rows(x))

@@ -54,13 +54,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.kernel: Any = None  # the compiled ops module (``ops.cpu.attach``), bf16 only
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos / sin per dtype
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin rows [T, 1, head_dim] for this batch, computed once per forward (all layers
         share them; `cache` lives on the batch's attention metadata)."""
         key = (id(self), dtype)
         if key not in cache:
-            cache[key] = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+            typed = self._typed.get(dtype)
+            if typed is None or typed[0].device != self.cos.device:  # the tables in `dtype`, once
+                typed = self._typed[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+            cache[key] = (typed[0][positions].unsqueeze(1), typed[1][positions].unsqueeze(1))
         return cache[key]
 
     def forward(

@@ -62,6 +62,7 @@ class _HeadBase(nn.Module):
             cfg.rope_theta, cfg.rope_scaling,
         )
         self.embed_tokens: nn.Embedding | None = None  # own embedding only if the checkpoint has one
+        self.argmax = cpu_ops.argmax_fn(cfg.dtype)  # over [N, V] logits, in the head's dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -136,8 +137,8 @@ class Eagle1Head(_HeadBase):
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] target ids
         if self.lm_head is None:
-            return cpu_ops.argmax(self.target[0].compute_logits(hidden, float32=False))
-        return cpu_ops.argmax(self.lm_head(hidden))
+            return self.argmax(self.target[0].compute_logits(hidden, float32=False))
+        return self.argmax(self.lm_head(hidden))
 
 
 class Eagle3Layer(nn.Module):
@@ -193,7 +194,7 @@ class Eagle3Head(_HeadBase):
         return self.norm(pre), pre
 
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] normed -> [N] target ids
-        draft_ids = cpu_ops.argmax(self.lm_head(hidden))
+        draft_ids = self.argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
 
 

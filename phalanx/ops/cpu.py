@@ -858,6 +858,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1) if module is None else module.argmax_rows(x)
 
 
+def argmax_fn(dtype: torch.dtype) -> Any:
+    """`argmax` resolved once for logits of `dtype` (a model's hot path: no backend look-up per
+    call): the kernel's ``argmax_rows`` when it serves `dtype`, else torch's."""
+    module = kernel_for(dtype)
+    return module.argmax_rows if module is not None else _torch_argmax
+
+
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 def main() -> None:
     """Build the kernels ahead of time (``make install``); raises if they cannot be built."""
     t0 = time.perf_counter()

@@ -119,6 +119,7 @@ class ModelRunner:
         self._pass_sizes: tuple[int, ...] | None = None  # this step's voted drafter pass sizes
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
+        self._argmax = cpu_ops.argmax_fn(cfg.model.dtype)  # greedy picks over model-dtype logits
         self.requests: dict[str, RunnerRequestState] = {}
         self.num_tokens_run = 0  # tokens through the target forward, for tests and stats
         # Time split for the overhead figure: model forwards (target incl. lm_head) and drafting.
@@ -337,7 +338,7 @@ class ModelRunner:
     ) -> None:
         """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
-        targets = cpu_ops.argmax(self._logits(hidden, float32=False))  # [rows]
+        targets = self._argmax(self._logits(hidden, float32=False))  # [rows]
         num_drafts = torch.tensor([len(d) for d in drafts_of], dtype=torch.int64)  # [B]
         k = int(num_drafts.max())
         # Accepted prefix length per request, vectorised over the batch:

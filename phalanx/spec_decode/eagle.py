@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.attention.metadata import one_token_metadata
 from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
 from phalanx.models.eagle import Eagle3Head, load_eagle_head
@@ -98,10 +99,12 @@ class EagleProposer:
         with batch.pass_context(1):
             for_logits, feed = self._run(p, features)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
-        tokens_j = self._greedy(for_logits[pick])
-        feed = feed[pick]
         rows = [feeds[f][0] for f in drafting]
         next_pos = [feeds[f][2] + len(feeds[f][1]) for f in drafting]
+        if drafting and batch.pass_sizes is None:
+            return self._draft_rest(batch, drafts, rows, next_pos, for_logits[pick], feed[pick], passes)
+        tokens_j = self._greedy(for_logits[pick])
+        feed = feed[pick]
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
         for j in range(1, passes):
             for row, tok in zip(rows, tokens_j):
@@ -115,4 +118,31 @@ class EagleProposer:
             feed = feed[:n]
         for row, tok in zip(rows, tokens_j):
             drafts[row].append(tok)
+        return drafts
+
+    def _draft_rest(
+        self,
+        batch: ProposeBatch,
+        drafts: list[list[int]],
+        rows: list[int],
+        next_pos: list[int],
+        for_logits: torch.Tensor,  # [n, H] pass 1's output at each drafting request's last row
+        feed: torch.Tensor,  # [n, H]
+        passes: int,
+    ) -> list[list[int]]:
+        """Passes 2.. when no lockstep sizes apply (so no padding): the same forwards as the general
+        loop, with the drafted tokens, positions and metadata kept as tensors between passes (no
+        per-pass lists, one `tolist` at the end)."""
+        tokens = self.head.draft_token_ids(for_logits)  # [n] draft 1
+        positions = torch.tensor(next_pos, dtype=torch.int64)
+        table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+        out = [tokens]
+        for j in range(1, passes):
+            meta = one_token_metadata(positions + (j - 1), table, self.block_size)
+            with batch.pass_context(j + 1):
+                for_logits, feed = self.head(tokens, feed, self.kv_caches, meta)
+            tokens = self.head.draft_token_ids(for_logits)
+            out.append(tokens)
+        for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
+            drafts[row].extend(toks)
         return drafts

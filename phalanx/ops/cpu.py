@@ -197,8 +197,8 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the same operations
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// Cephes' exp polynomial (exp_nonpositive's operations) on 16 lanes, for x in [-87, 88].
+inline __m512 exp_core_ps(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(
       _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -213,6 +213,17 @@ inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the 
   y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 exp_nonpositive_ps(__m512 x) {  // exp_nonpositive, 16 lanes, the same operations
+  return exp_core_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)));
+}
+
+// exp(x) for any float32 x: the same polynomial on [-87, 88], +inf above ~88.72.
+inline __m512 exp_ps(__m512 x) {
+  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7228f), _CMP_GT_OQ);
+  const __m512 y = exp_core_ps(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
+  return _mm512_mask_mov_ps(y, over, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
 // In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
@@ -537,26 +548,6 @@ inline __m256i float_to_bits_ps(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
 }
 
-// exp(x) for any float32 x: exp_nonpositive_ps's polynomial on [-87, 88], +inf above ~88.72.
-inline __m512 exp_ps(__m512 x) {
-  const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.7228f), _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  y = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-  return _mm512_mask_mov_ps(y, over, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-}
 #endif
 
 // silu(gate) * up for a gated MLP: x [T, 2I] (bf16, last dim contiguous) holds gate | up per row;

@@ -5,7 +5,8 @@ microseconds per call, same inputs, same process. Prints a markdown table; asser
 
 Decode attention: random bf16 KV cache, blocks in scattered order (like a served cache), 8 query /
 4 KV heads of 64 (the PEERS 40M Llama) or 4 / 2 (the demo model); each request's context uniform in
-[L/2, L]. Elementwise ops: a 512-wide residual stream, 12 heads of 64 for rotary.
+[L/2, L]. Elementwise ops: a 512-wide residual stream, 12 heads of 64 for rotary; SiLU-and-multiply
+over 1408 and argmax over 32000 (the PEERS model's MLP and vocabulary).
 """
 
 from __future__ import annotations
@@ -64,6 +65,22 @@ def elementwise_case(kernel, iters: int, t: int):
     return [(f"residual add + RMSNorm, {t} x 512", ref, fused), (f"rotary, {t} tokens x 12 heads x 64", rot_ref, rot_fused)]
 
 
+def mlp_and_argmax_cases(kernel, iters: int, t: int):
+    gen = torch.Generator().manual_seed(t)
+    gate_up = torch.randn(t, 2 * 1408, generator=gen).bfloat16()  # the PEERS model's intermediate size
+
+    def silu_ref():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    logits = torch.randn(t, 32000, generator=gen).bfloat16()  # the PEERS model's vocabulary
+    return [
+        (f"SiLU-and-multiply, {t} x 1408", timeit(silu_ref, iters), timeit(lambda: kernel.silu_mul(gate_up), iters)),
+        (f"greedy argmax, {t} x 32000 bf16 logits (reference: float32 copy + argmax)",
+         timeit(lambda: logits.float().argmax(dim=-1), iters), timeit(lambda: kernel.argmax_rows(logits), iters)),
+    ]
+
+
 ATTENTION_CASES = [(1, 1, 200, 2, 2), (1, 4, 200, 2, 2), (1, 1, 256, 4, 2), (16, 1, 256, 4, 2), (32, 1, 384, 4, 2),
                    (16, 4, 256, 4, 2)]
 
@@ -80,6 +97,7 @@ def main() -> None:
     print("|---|---|---|---|")
     rows = [attention_case(kernel, args.iters, *c) for c in ATTENTION_CASES]
     rows += [r for t in (1, 20, 2048) for r in elementwise_case(kernel, args.iters, t)]
+    rows += [r for t in (1, 32, 256) for r in mlp_and_argmax_cases(kernel, args.iters, t)]
     for name, ref, fused in rows:
         print(f"| {name} | {ref:.0f} | {fused:.0f} | {ref / fused:.1f}x |")
 

@@ -400,7 +400,13 @@ def default_aux_ids(n_layers: int) -> list[int]:
 HEAD_LAYERS = {"eagle": 1, "eagle3": 2}
 # The committed heads' recipes: (steps, peak lr) per stage; stage i > 0 continues from stage i - 1's
 # saved head with a fresh optimizer and schedule.
-HEAD_STAGES = {"eagle": [(2400, 2e-3)], "eagle3": [(2400, 2e-3), (2400, 1e-3)]}
+# A stage may also grow the head (more layers than the stage before: `grow_from`) or change the
+# token loss: (steps, peak lr, layers, labels).
+HEAD_STAGES: dict[str, list[tuple[int, float, int, str]]] = {
+    "eagle": [(2400, 2e-3, 1, "hard")],
+    "eagle3": [(2400, 2e-3, 2, "soft"), (2400, 1e-3, 2, "soft")],
+}
+assert all(stages[-1][2] == HEAD_LAYERS[k] for k, stages in HEAD_STAGES.items())
 
 
 def committed_name(kind: str) -> str:
@@ -412,18 +418,18 @@ def train_committed(kind: str, seed: int = 0, threads: int = 2, resume_stage: in
     on (a resumed stage continues from the committed folder)."""
     name = committed_name(kind)
     out = []
-    for i, (steps, lr) in enumerate(HEAD_STAGES[kind]):
+    for i, (steps, lr, layers, labels) in enumerate(HEAD_STAGES[kind]):
         if i < resume_stage:
             continue
         init = str(MODELS_DIR / name) if i > 0 else None
-        out.append(train(kind, seed, steps, lr=lr, threads=threads, init_from=init))
+        out.append(train(kind, seed, steps, lr=lr, threads=threads, init_from=init, layers=layers, labels=labels))
     return out
 
 
 def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None = None, batch: int = 32,
           passes: int = 3, lr: float = 2e-3, draft_vocab: int = 512, threads: int = 2, bf16: bool = True,
           aux_ids: list[int] | None = None, out_name: str | None = None, layers: int | None = None,
-          init_from: str | None = None) -> dict:
+          init_from: str | None = None, labels: str | None = None) -> dict:
     """Train an EAGLE head on the target's own greedy answers.
 
     ``bf16``: bfloat16 autocast for the head's forward (fp32 master weights); ``threads``: torch
@@ -431,7 +437,10 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     ``aux_ids`` / ``out_name``: EAGLE-3 target layers and output folder, for experiments;
     ``layers``: decoder layers in the head (default `HEAD_LAYERS[kind]`; the defaults build the
     committed heads); ``init_from``: a saved head folder to continue from (a second stage with a
-    fresh optimizer and schedule; its loss curve is prepended from ``<name>-curve.json``).
+    fresh optimizer and schedule; its loss curve is prepended from ``<name>-curve.json``);
+    ``labels``: EAGLE-3's token loss, ``soft`` (default: cross-entropy against the target's
+    distribution over the draft vocabulary) or ``hard`` (against the target's greedy token, as
+    EAGLE-1 trains: what greedy acceptance counts).
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -451,6 +460,9 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     from phalanx.demo.train import N_DISTILL, distill_rows
 
     eagle3 = kind == "eagle3"
+    labels = labels or ("soft" if eagle3 else "hard")
+    if labels not in ("soft", "hard") or (labels == "soft" and not eagle3):
+        raise ValueError(f"labels={labels!r}: EAGLE-3 heads train on 'soft' or 'hard' labels, EAGLE-1 on 'hard'")
     name = out_name or committed_name(kind)
     steps = steps or 2400
     rows = distill_rows(seed, n_seqs or N_DISTILL)
@@ -577,7 +589,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
                 soft = (soft * m).sum() / m.sum()
                 normed = head.norm(pre)
                 reg = (F.smooth_l1_loss(normed, f_next, reduction="none") * m).sum() / (m.sum() * pre.shape[-1])
-                loss = reg + 0.5 * soft
+                loss = reg + 0.5 * (soft if labels == "soft" else ce)
             else:
                 reg = (F.smooth_l1_loss(pre, f_next, reduction="none") * m).sum() / (m.sum() * pre.shape[-1])
                 loss = reg + 0.5 * ce
@@ -620,10 +632,12 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     save_head(head, cfg, MODELS_DIR / name, TOK_DIR)
     plot_curves(IMG_DIR / f"{name}-loss.png", {"train (smoothed)": smooth(train_pts), "validation": val_pts},
                 f"{name} ({nparams / 1e6:.2f}M params)")
-    stages = prior_curve["stages"] + [{"steps": steps, "lr": lr, "layers": layers, "train_time_s": round(train_time)}]
+    stages = prior_curve["stages"] + [{"steps": steps, "lr": lr, "layers": layers, "labels": labels,
+                                       "train_time_s": round(train_time)}]
     res = {"name": name, "params": nparams, "steps": offset + steps, "batch": batch, "passes": passes,
            "layers": layers, "stages": stages, "train_time_s": sum(st["train_time_s"] for st in stages),
-           "final_val_loss": val_pts[-1][1], "seed": seed, "aux_ids": aux_ids if eagle3 else None}
+           "final_val_loss": val_pts[-1][1], "seed": seed, "aux_ids": aux_ids if eagle3 else None,
+           "labels": labels}
     print(json.dumps(res), flush=True)
     (WORK_DIR / "results").mkdir(parents=True, exist_ok=True)
     (WORK_DIR / "results" / f"{name}-curve.json").write_text(

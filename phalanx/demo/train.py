@@ -249,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--out-name", default=None, help="output folder name of an EAGLE head (experiments)")
     ap.add_argument("--init-from", default=None, help="EAGLE head folder to continue training from (a next stage)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate of an EAGLE head stage")
+    ap.add_argument("--labels", choices=["soft", "hard"], default=None,
+                    help="EAGLE-3 token loss: soft (the target's distribution, default) or hard (its greedy token)")
     ap.add_argument("--aux-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="EAGLE-3 target layer ids, comma-separated (experiments; default low, middle, top)")
     a = ap.parse_args(argv)
@@ -266,12 +268,12 @@ def main(argv=None):
     else:
         from phalanx.demo import eagle
 
-        if (a.steps, a.head_layers, a.out_name, a.init_from, a.lr, a.aux_ids) == (None,) * 6:
+        if (a.steps, a.head_layers, a.out_name, a.init_from, a.lr, a.aux_ids, a.labels) == (None,) * 7:
             eagle.train_committed(a.what, a.seed, threads=a.threads, resume_stage=a.resume_stage)
         else:  # one experimental stage
             extra = {"lr": a.lr} if a.lr is not None else {}
             eagle.train(a.what, a.seed, a.steps, threads=a.threads, layers=a.head_layers, out_name=a.out_name,
-                        init_from=a.init_from, aux_ids=a.aux_ids, **extra)
+                        init_from=a.init_from, aux_ids=a.aux_ids, labels=a.labels, **extra)
     print(f"total wall time {time.time() - t0:.0f}s", flush=True)
 
 

@@ -35,12 +35,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
-    flat_k = kv_cache[0].view(num_kv_heads, num_blocks * block_size, head_dim)
-    flat_v = kv_cache[1].view(num_kv_heads, num_blocks * block_size, head_dim)
-    num_real = meta.slot_mapping.shape[0]  # padding tokens (lockstep) write nothing
-    flat_k.index_copy_(1, meta.slot_mapping, k[:num_real].transpose(0, 1))
-    flat_v.index_copy_(1, meta.slot_mapping, v[:num_real].transpose(0, 1))
+    kernel = _kernel(q, meta)
+    if kernel is not None:  # one call for keys and values
+        kernel.cache_write(kv_cache, k, v, meta.slot_mapping)
+    else:
+        num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape[1:]
+        flat_k = kv_cache[0].view(num_kv_heads, num_blocks * block_size, head_dim)
+        flat_v = kv_cache[1].view(num_kv_heads, num_blocks * block_size, head_dim)
+        num_real = meta.slot_mapping.shape[0]  # padding tokens (lockstep) write nothing
+        flat_k.index_copy_(1, meta.slot_mapping, k[:num_real].transpose(0, 1))
+        flat_v.index_copy_(1, meta.slot_mapping, v[:num_real].transpose(0, 1))
     if meta.uniform_decode_len:  # the flat batch is the decode group's [R, Q] grid, rows in order
         t, h, d = q.shape
         grid = q.view(t // meta.uniform_decode_len, meta.uniform_decode_len, h, d)
@@ -74,10 +78,7 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     """The decode group's [Bd, Qd, H, D] query grid -> its attention output: the fused C++ kernel
     when available (``ops.cpu``), else the reference grouped matmuls."""
     assert meta.dec_block_table is not None and meta.dec_visible is not None
-    key = ("decode_kernel", q.dtype, q.device.type)
-    if key not in meta.cache:
-        meta.cache[key] = cpu_ops.kernel_for(q.dtype) if q.device.type == "cpu" else None
-    kernel = meta.cache[key]
+    kernel = _kernel(q, meta)
     if kernel is not None:
         return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
     mask = meta.cache.get("dec_mask")
@@ -85,6 +86,14 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
         key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))
         mask = meta.cache["dec_mask"] = (key_pos[None, None, :] >= meta.dec_visible[:, :, None])[:, :, None, :]
     return _decode_group_attention(q, kv_cache, meta.dec_block_table, mask, scale, meta.cache)
+
+
+def _kernel(q: torch.Tensor, meta: AttentionMetadata):  # -> the compiled ops module or None
+    """The C++ kernels for this forward's dtype (``ops.cpu``), looked up once per forward."""
+    key = ("cpu_kernel", q.dtype, q.device.type)
+    if key not in meta.cache:
+        meta.cache[key] = cpu_ops.kernel_for(q.dtype) if q.device.type == "cpu" else None
+    return meta.cache[key]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor:

@@ -226,6 +226,29 @@ def test_argmax_falls_back_to_torch(monkeypatch) -> None:
     assert torch.equal(cpu_ops.argmax(y), y.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_is_the_two_index_copies(kernel, dtype) -> None:
+    """Keys and values of N real tokens land where index_copy_ puts them (strided views of a fused
+    projection, as the attention layer passes them); padding rows past N write nothing."""
+    gen = torch.Generator().manual_seed(11)
+    kvh, nb, bs, d, t = 2, 6, 4, 16, 7
+    cache = torch.randn(2, kvh, nb, bs, d, generator=gen).to(dtype)
+    qkv = torch.randn(t, (4 + 2 * kvh) * d, generator=gen).to(dtype)
+    k = qkv[:, 4 * d : (4 + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (4 + kvh) * d :].view(t, kvh, d)
+    slots = torch.tensor([5, 0, 23, 9, 17])  # 5 real tokens, 2 padding rows
+    want = cache.clone()
+    for plane, x in ((0, k), (1, v)):
+        want[plane].view(kvh, nb * bs, d).index_copy_(1, slots, x[: len(slots)].transpose(0, 1))
+    got = cache.clone()
+    kernel.cache_write(got, k, v, slots)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot 24 outside the cache's 24 slots"):
+        kernel.cache_write(got, k, v, torch.tensor([24]))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernel.cache_write(got, k.float() if dtype != torch.float32 else k.double(), v, slots)
+
+
 def test_elementwise_ops_reject_what_they_do_not_serve(kernel) -> None:
     with pytest.raises(RuntimeError, match="expects bfloat16"):
         kernel.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)

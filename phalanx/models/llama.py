@@ -81,8 +81,22 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), kv_cache, meta), x)
-        return x + self.mlp(h)
+        delta, residual = self.forward_split(x, None, kv_cache, meta)
+        return residual + delta
+
+    def forward_split(
+        self, delta: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering this layer is ``residual + delta`` (just ``delta`` when
+        ``residual`` is None); returns the same split for the stream leaving it (the MLP's output,
+        and the stream before it), so the add that closes a layer is fused into the next layer's
+        input norm (`RMSNorm.add_forward`: the same sum, rounded once, as ``x + mlp(h)``)."""
+        if residual is None:
+            x_in, residual = self.input_layernorm(delta), delta
+        else:
+            x_in, residual = self.input_layernorm.add_forward(delta, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x_in, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -124,14 +138,18 @@ class CausalLM(nn.Module):
         aux_layer_ids: tuple[int, ...] = (),
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        delta = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        residual: torch.Tensor | None = None  # the stream is residual + delta (see forward_split)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            if i in aux_layer_ids:
-                captured[i] = x
-            x = layer(x, kv_caches[i], meta)
+            if i in aux_layer_ids:  # EAGLE-3 reads the stream entering layer i: materialise it
+                if residual is not None:
+                    delta, residual = residual + delta, None
+                captured[i] = delta
+            delta, residual = layer.forward_split(delta, residual, kv_caches[i], meta)
         # in the order the head lists them (a repeated id repeats its layer)
-        return self.model.norm(x), [captured[i] for i in aux_layer_ids]
+        normed = self.model.norm(delta) if residual is None else self.model.norm.add_forward(delta, residual)[0]
+        return normed, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
         """float32 logits (sampling), or in the model's dtype with ``float32=False`` (an argmax

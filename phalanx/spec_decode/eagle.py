@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.attention.metadata import one_token_metadata
 from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
 from phalanx.models.eagle import Eagle3Head, load_eagle_head
@@ -28,6 +27,7 @@ from phalanx.spec_decode.proposer import (
     drafter_pass,
     drafter_room,
     num_passes,
+    one_token_pass,
     pass_size,
 )
 
@@ -65,9 +65,6 @@ class EagleProposer:
             hidden = torch.cat([hidden, hidden.new_zeros(p.num_pad, hidden.shape[1])])
         return self.head(p.input_ids, hidden, self.kv_caches, p.meta)
 
-    def _greedy(self, hidden: torch.Tensor) -> list[int]:
-        return self.head.draft_token_ids(hidden).tolist() if hidden.shape[0] else []
-
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         assert batch.target_hidden is not None
         k = self.num_speculative_tokens
@@ -100,49 +97,22 @@ class EagleProposer:
             for_logits, feed = self._run(p, features)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
         rows = [feeds[f][0] for f in drafting]
-        next_pos = [feeds[f][2] + len(feeds[f][1]) for f in drafting]
-        if drafting and batch.pass_sizes is None:
-            return self._draft_rest(batch, drafts, rows, next_pos, for_logits[pick], feed[pick], passes)
-        tokens_j = self._greedy(for_logits[pick])
-        feed = feed[pick]
-        # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
-        for j in range(1, passes):
-            for row, tok in zip(rows, tokens_j):
-                drafts[row].append(tok)
-            step_feeds = [(row, [tok], pos + j - 1) for row, tok, pos in zip(rows, tokens_j, next_pos)]
-            p = drafter_pass(step_feeds, batch.block_table, self.block_size, pass_size(batch, j))
-            with batch.pass_context(j + 1):
-                for_logits, feed = self._run(p, feed)
-            n = len(step_feeds)
-            tokens_j = self._greedy(for_logits[:n])
-            feed = feed[:n]
-        for row, tok in zip(rows, tokens_j):
-            drafts[row].append(tok)
-        return drafts
-
-    def _draft_rest(
-        self,
-        batch: ProposeBatch,
-        drafts: list[list[int]],
-        rows: list[int],
-        next_pos: list[int],
-        for_logits: torch.Tensor,  # [n, H] pass 1's output at each drafting request's last row
-        feed: torch.Tensor,  # [n, H]
-        passes: int,
-    ) -> list[list[int]]:
-        """Passes 2.. when no lockstep sizes apply (so no padding): the same forwards as the general
-        loop, with the drafted tokens, positions and metadata kept as tensors between passes (no
-        per-pass lists, one `tolist` at the end)."""
-        tokens = self.head.draft_token_ids(for_logits)  # [n] draft 1
-        positions = torch.tensor(next_pos, dtype=torch.int64)
+        n = len(rows)
+        for_logits, feed = for_logits[pick], feed[pick]  # [n, H]
+        tokens = self.head.draft_token_ids(for_logits) if n else torch.empty(0, dtype=torch.int64)  # [n] draft 1
+        positions = torch.tensor([feeds[f][2] + len(feeds[f][1]) for f in drafting], dtype=torch.int64)
         table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
         out = [tokens]
+        # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
+        # Tokens, positions and block rows stay tensors from pass to pass; one tolist at the end.
         for j in range(1, passes):
-            meta = one_token_metadata(positions + (j - 1), table, self.block_size)
+            p = one_token_pass(tokens, positions + (j - 1), table, self.block_size, pass_size(batch, j))
             with batch.pass_context(j + 1):
-                for_logits, feed = self.head(tokens, feed, self.kv_caches, meta)
-            tokens = self.head.draft_token_ids(for_logits)
+                for_logits, feed = self._run(p, feed)
+            feed = feed[:n]
+            tokens = self.head.draft_token_ids(for_logits[:n]) if n else tokens
             out.append(tokens)
-        for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
-            drafts[row].extend(toks)
+        if n:
+            for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
+                drafts[row].extend(toks)
         return drafts

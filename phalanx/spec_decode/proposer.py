@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata
+from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata, one_token_metadata
 from phalanx.config import ModelConfig
 from phalanx.distributed.group import DPGroup
 from phalanx.spec_decode.config import SpeculativeConfig
@@ -127,6 +127,27 @@ def drafter_pass(
     ids = [t for f in feeds for t in f[1]] + [0] * num_pad
     last_rows = (torch.cumsum(q_lens, 0) - 1).tolist()
     return DrafterPass(torch.tensor(ids, dtype=torch.int64), meta, last_rows, num_pad)
+
+
+def one_token_pass(
+    tokens: torch.Tensor,  # [n] int64: each drafting request's input token
+    positions: torch.Tensor,  # [n] int64: its position
+    block_table: torch.Tensor,  # [n, max_blocks]: its block-table row
+    block_size: int,
+    pad_to: int | None,
+) -> DrafterPass:
+    """A drafter pass of one token per request (passes 2..k), built from tensors (no per-pass
+    lists), padded with token 0 up to the agreed size like `drafter_pass`."""
+    n = tokens.shape[0]
+    num_pad = 0 if pad_to is None else pad_to - n
+    if num_pad < 0:
+        raise RuntimeError(f"drafter pass has {n} tokens, more than the agreed {pad_to}")
+    if n and not num_pad:
+        meta = one_token_metadata(positions, block_table, block_size)
+    else:
+        meta = build_attention_metadata(torch.ones(n, dtype=torch.int64), positions, block_table, block_size, num_pad)
+    ids = torch.cat([tokens, tokens.new_zeros(num_pad)]) if num_pad else tokens
+    return DrafterPass(ids, meta, list(range(n)), num_pad)
 
 
 def num_passes(batch: ProposeBatch, k: int, anyone_drafts: bool) -> int:

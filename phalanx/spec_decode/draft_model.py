@@ -22,6 +22,7 @@ from phalanx.distributed.expert_parallel import install_expert_parallel
 from phalanx.distributed.group import DPGroup
 from phalanx.models.llama import CausalLM
 from phalanx.models.registry import load_model
+from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
@@ -29,6 +30,7 @@ from phalanx.spec_decode.proposer import (
     drafter_pass,
     drafter_room,
     num_passes,
+    one_token_pass,
     pass_size,
 )
 
@@ -45,6 +47,7 @@ class DraftModelProposer:
         cfg = ModelConfig.from_hf(spec.model, target_cfg.dtype, max(self.room, 2))
         self.config = cfg
         self.model: CausalLM = load_model(cfg)
+        self.argmax = cpu_ops.argmax_fn(cfg.dtype)  # greedy drafts over model-dtype logits
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
         self._computed: dict[str, int] = {}
@@ -71,8 +74,8 @@ class DraftModelProposer:
         hidden, _ = self.model(p.input_ids, self.kv_caches, p.meta)
         return hidden
 
-    def _greedy(self, hidden: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(hidden).argmax(-1).tolist() if hidden.shape[0] else []
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n] token ids
+        return self.argmax(self.model.compute_logits(hidden, float32=False))
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens
@@ -98,15 +101,20 @@ class DraftModelProposer:
         with batch.pass_context(1):
             hidden = self._run(p)
         rows = [feeds[f][0] for f in drafting]
-        tokens_j = self._greedy(hidden[[p.last_rows[f] for f in drafting]])
-        # Passes 2..: feed draft j-1 at the next position, draft token j.
+        n = len(rows)
+        pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
+        tokens = self._greedy(hidden[pick]) if n else torch.empty(0, dtype=torch.int64)  # [n] draft 1
+        positions = torch.tensor([len(batch.token_ids[r]) for r in rows], dtype=torch.int64)
+        table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+        out = [tokens]
+        # Passes 2..: feed draft j-1 at the next position, draft token j (tensors from pass to pass).
         for j in range(1, passes):
-            for row, tok in zip(rows, tokens_j):
-                drafts[row].append(tok)
-            step_feeds = [(row, [tok], len(batch.token_ids[row]) + j - 1) for row, tok in zip(rows, tokens_j)]
-            p = drafter_pass(step_feeds, batch.block_table, self.block_size, pass_size(batch, j))
+            p = one_token_pass(tokens, positions + (j - 1), table, self.block_size, pass_size(batch, j))
             with batch.pass_context(j + 1):
-                tokens_j = self._greedy(self._run(p)[: len(step_feeds)])
-        for row, tok in zip(rows, tokens_j):
-            drafts[row].append(tok)
+                hidden = self._run(p)
+            tokens = self._greedy(hidden[:n]) if n else tokens
+            out.append(tokens)
+        if n:
+            for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
+                drafts[row].extend(toks)
         return drafts

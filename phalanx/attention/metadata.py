@@ -100,13 +100,6 @@ def build_attention_metadata(
     return meta
 
 
-def one_token_metadata(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> AttentionMetadata:
-    """One query token per request at `positions` [R] (R > 0), `block_table` [R, W] the requests'
-    rows: what `build_attention_metadata` returns for q_lens all 1, without building q_lens (a
-    drafter's passes 2..k, whose inputs are already tensors)."""
-    return _uniform_metadata(1, positions, block_table, block_size)
-
-
 def _uniform_metadata(
     q: int, num_computed: torch.Tensor, block_table: torch.Tensor, block_size: int
 ) -> AttentionMetadata:

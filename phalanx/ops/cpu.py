@@ -121,6 +121,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16_ps(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_ps(const c10::BFloat16* p) {  // 16 bf16 -> 16 float32 (exact)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Dot = true;
 // bf16 x bf16 dot product with float32 accumulation (AVX512-BF16 pairs), fixed order.
@@ -142,8 +150,7 @@ inline void axpy_bf16(float* acc, float p, const c10::BFloat16* v, int64_t n) {
   const __m512 pv = _mm512_set1_ps(p);
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d));
-    const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __m512 vf = load16_ps(v + d);
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, vf, _mm512_loadu_ps(acc + d)));
   }
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(v);
@@ -165,11 +172,6 @@ inline __m512 reduce16(const __m512* v) {
   const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
   const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
-}
-
-inline __m512 load_bf16_ps(const c10::BFloat16* p) {  // 16 bf16 -> 16 float32 (exact)
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 #else
@@ -304,7 +306,7 @@ void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* con
       for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
     for (int64_t l = 0; l < tile_len; ++l) {
       __m512 vf[NV];
-      for (int c = 0; c < NV; ++c) vf[c] = load_bf16_ps(vrow[l] + 16 * c);
+      for (int c = 0; c < NV; ++c) vf[c] = load16_ps(vrow[l] + 16 * c);
       for (int i = 0; i < RT; ++i) {
         if (i >= nr || l >= limit[r0 + i]) continue;  // a key this row does not see: no term at all
         const __m512 p = _mm512_set1_ps(scores[(r0 + i) * len + l]);
@@ -534,12 +536,6 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16_ps(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16_ps(const c10::BFloat16* p) {  // 16 bf16 -> 16 float32 (exact)
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // float32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0: float_to_bits on 16 lanes.
 inline __m256i float_to_bits_ps(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);

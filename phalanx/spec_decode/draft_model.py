@@ -27,10 +27,10 @@ from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
     ProposeBatch,
+    draft_rest,
     drafter_pass,
     drafter_room,
     num_passes,
-    one_token_pass,
     pass_size,
 )
 
@@ -103,18 +103,7 @@ class DraftModelProposer:
         rows = [feeds[f][0] for f in drafting]
         n = len(rows)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
-        tokens = self._greedy(hidden[pick]) if n else torch.empty(0, dtype=torch.int64)  # [n] draft 1
+        tokens = self._greedy(hidden[pick]) if n else pick  # [n] draft 1 (pick is empty when n == 0)
         positions = torch.tensor([len(batch.token_ids[r]) for r in rows], dtype=torch.int64)
-        table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-        out = [tokens]
-        # Passes 2..: feed draft j-1 at the next position, draft token j (tensors from pass to pass).
-        for j in range(1, passes):
-            p = one_token_pass(tokens, positions + (j - 1), table, self.block_size, pass_size(batch, j))
-            with batch.pass_context(j + 1):
-                hidden = self._run(p)
-            tokens = self._greedy(hidden[:n]) if n else tokens
-            out.append(tokens)
-        if n:
-            for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
-                drafts[row].extend(toks)
-        return drafts
+        # Passes 2..: feed draft j-1 at the next position, draft token j.
+        return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, self._run, self._greedy)

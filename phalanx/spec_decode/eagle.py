@@ -24,10 +24,10 @@ from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
     ProposeBatch,
+    draft_rest,
     drafter_pass,
     drafter_room,
     num_passes,
-    one_token_pass,
     pass_size,
 )
 
@@ -98,21 +98,16 @@ class EagleProposer:
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
         rows = [feeds[f][0] for f in drafting]
         n = len(rows)
-        for_logits, feed = for_logits[pick], feed[pick]  # [n, H]
-        tokens = self.head.draft_token_ids(for_logits) if n else torch.empty(0, dtype=torch.int64)  # [n] draft 1
+        feed = feed[pick]  # [n, H]
+        tokens = self.head.draft_token_ids(for_logits[pick]) if n else pick  # [n] draft 1
         positions = torch.tensor([feeds[f][2] + len(feeds[f][1]) for f in drafting], dtype=torch.int64)
-        table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-        out = [tokens]
+
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
-        # Tokens, positions and block rows stay tensors from pass to pass; one tolist at the end.
-        for j in range(1, passes):
-            p = one_token_pass(tokens, positions + (j - 1), table, self.block_size, pass_size(batch, j))
-            with batch.pass_context(j + 1):
-                for_logits, feed = self._run(p, feed)
-            feed = feed[:n]
-            tokens = self.head.draft_token_ids(for_logits[:n]) if n else tokens
-            out.append(tokens)
-        if n:
-            for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
-                drafts[row].extend(toks)
-        return drafts
+        def forward(p: DrafterPass) -> torch.Tensor:
+            nonlocal feed
+            for_logits, fed = self._run(p, feed)
+            feed = fed[:n]
+            return for_logits
+
+        return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, forward,
+                          self.head.draft_token_ids)

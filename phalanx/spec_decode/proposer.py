@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata, one_token_metadata
+from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata
 from phalanx.config import ModelConfig
 from phalanx.distributed.group import DPGroup
 from phalanx.spec_decode.config import SpeculativeConfig
@@ -142,12 +142,39 @@ def one_token_pass(
     num_pad = 0 if pad_to is None else pad_to - n
     if num_pad < 0:
         raise RuntimeError(f"drafter pass has {n} tokens, more than the agreed {pad_to}")
-    if n and not num_pad:
-        meta = one_token_metadata(positions, block_table, block_size)
-    else:
-        meta = build_attention_metadata(torch.ones(n, dtype=torch.int64), positions, block_table, block_size, num_pad)
+    meta = build_attention_metadata(torch.ones(n, dtype=torch.int64), positions, block_table, block_size, num_pad)
     ids = torch.cat([tokens, tokens.new_zeros(num_pad)]) if num_pad else tokens
     return DrafterPass(ids, meta, list(range(n)), num_pad)
+
+
+def draft_rest(
+    batch: ProposeBatch,
+    drafts: list[list[int]],
+    rows: list[int],  # batch rows of the drafting requests
+    tokens: torch.Tensor,  # [n] their draft 1
+    positions: torch.Tensor,  # [n] where draft 1 is fed
+    block_size: int,
+    passes: int,
+    forward: Callable[[DrafterPass], torch.Tensor],  # runs the drafter -> rows to draft from
+    greedy: Callable[[torch.Tensor], torch.Tensor],  # [n, H] -> [n] token ids
+) -> list[list[int]]:
+    """Passes 2..`passes` of a model drafter: pass j feeds draft j-1 one position further and
+    drafts token j (every pass runs, padded to the voted size in lockstep, even with nothing to
+    draft); appends all drafts to `drafts` (one tolist at the end) and returns it."""
+    n = len(rows)
+    table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+    out = [tokens]
+    for j in range(1, passes):
+        p = one_token_pass(tokens, positions + (j - 1), table, block_size, pass_size(batch, j))
+        with batch.pass_context(j + 1):
+            hidden = forward(p)
+        if n:
+            tokens = greedy(hidden[:n])
+        out.append(tokens)
+    if n:
+        for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
+            drafts[row].extend(toks)
+    return drafts
 
 
 def num_passes(batch: ProposeBatch, k: int, anyone_drafts: bool) -> int:

@@ -121,7 +121,7 @@ def make_eagle_head(target: Path, folder: Path, method: str = "eagle", seed: int
             "t2d": torch.zeros(cfg["vocab_size"], dtype=torch.bool).index_fill_(0, kept, True),
         })
         head_cfg.update(architectures=["Eagle3LlamaForCausalLM"], draft_vocab_size=draft_vocab,
-                        target_hidden_size=h, eagle_aux_hidden_state_layer_ids=[0, n // 2, n - 1])
+                        target_hidden_size=h, eagle_aux_hidden_state_layer_ids=[0, n // 2, n])
     else:
         w["fc.weight"] = rnd(h, 2 * h)
         head_cfg.update(architectures=["EagleLlamaForCausalLM"])

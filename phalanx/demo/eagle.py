@@ -379,16 +379,32 @@ def grow_from(head: EagleHead, prev: EagleHead, where: object = "the previous he
 # --------------------------------------------------------------------------- features
 @torch.no_grad()
 def target_features(target, ids: torch.Tensor, att: torch.Tensor, aux_ids: list[int]):
-    """(final hidden after norm [B,T,H], concat of aux layers [B,T,3H])."""
-    out = target.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    """(final hidden after norm [B,T,H], concat of aux layers [B,T,3H]).
+
+    Aux id j is the residual stream after j target layers (vLLM's convention: 0 the embeddings,
+    ``num_layers`` the last layer's output *before* the final norm). HF's ``hidden_states[j]`` is
+    that for j < num_layers, but its last entry is taken after the norm, so id ``num_layers`` is
+    read from the last decoder layer's output instead."""
+    n = len(target.model.layers)
+    last_out: list[torch.Tensor] = []
+    hook = None
+    if n in (aux_ids or ()):
+        hook = target.model.layers[-1].register_forward_hook(
+            lambda _m, _i, o: last_out.append(o[0] if isinstance(o, tuple) else o))
+    try:
+        out = target.model(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    finally:
+        if hook is not None:
+            hook.remove()
     hs = out.hidden_states
-    aux = torch.cat([hs[i] for i in aux_ids], dim=-1) if aux_ids else None
+    aux = torch.cat([last_out[0] if i == n else hs[i] for i in aux_ids], dim=-1) if aux_ids else None
     return out.last_hidden_state, aux
 
 
 def default_aux_ids(n_layers: int) -> list[int]:
-    """Low / middle / near-top residual-stream ids (vLLM convention, distinct, < n_layers)."""
-    ids = [1, n_layers // 2, n_layers - 1]
+    """Low / middle / top residual-stream ids (vLLM convention, distinct, <= n_layers): the top one is
+    the last layer's output (id n_layers), the feature EAGLE-1 reads, before the final norm."""
+    ids = [1, n_layers // 2, n_layers]
     assert len(set(ids)) == 3
     return ids
 
@@ -539,8 +555,20 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     val_n = 256
     tr_idx = list(range(val_n, len(seqs)))
     rng = random.Random(seed)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    # Adam moves every weight by about lr per step whatever its size. EAGLE-3's fc reads the target's
+    # raw residual stream (RMS ~65-85 here, against ~1 for every other input of the head), so its
+    # weights are that many times smaller than the head's others and need steps that much smaller:
+    # at the common lr each step rewrote fc by several times its own size and the first drafting
+    # pass (the only one through fc) stalled at a validation CE of ~0.25 while passes 2-3, fed
+    # the head's own output, reached 0.16.
+    fc_lr_scale = 1.0
+    if eagle3:
+        fc_lr_scale = 1.0 / float(torch.cat([f for f, _ in feats[:64]]).float().pow(2).mean().sqrt())
+        print(f"EAGLE-3 fc learning-rate scale 1/RMS(features) = {fc_lr_scale:.4f}", flush=True)
+    fc_params = [head.fc.weight]
+    other = [p for p in head.parameters() if p.requires_grad and all(p is not q for q in fc_params)]
+    opt = torch.optim.AdamW([{"params": other, "lr_scale": 1.0}, {"params": fc_params, "lr_scale": fc_lr_scale}],
+                            lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     from phalanx.demo.common import lr_at
 
     def batch_tensors(idx):
@@ -612,7 +640,7 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
             batches = [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
         idx = batches.pop()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10))
+            g["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10)) * g["lr_scale"]
         with autocast:
             loss, parts = loss_fn(idx)
         loss.backward()

@@ -168,8 +168,12 @@ class Eagle3Head(_HeadBase):
         )
         n = target.num_layers
         self.aux_layer_ids: tuple[int, ...] = tuple(ids) if ids else (2, n // 2, n - 3)
-        if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
-            raise ValueError(f"EAGLE-3 aux layer ids {self.aux_layer_ids} are invalid for a {n}-layer target")
+        if len(self.aux_layer_ids) != 3 or not all(isinstance(i, int) and 0 <= i <= n for i in self.aux_layer_ids):
+            raise ValueError(
+                f"EAGLE-3 aux layer ids {list(self.aux_layer_ids)} are invalid for a {n}-layer target: three ids "
+                f"in 0..{n} (id j is the residual stream after j target layers: 0 the embeddings, {n} the last "
+                f"layer's output before the final norm)"
+            )
         target_h = int(hf.get("target_hidden_size") or h)
         self.fc = nn.Linear(3 * target_h, h, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(cfg, self.rotary), *_more_layers(cfg, self.rotary)])

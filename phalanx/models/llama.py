@@ -112,7 +112,9 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """A decoder-only LM. `forward` returns final (normed) hidden states [T, H] and, when
-    `aux_layer_ids` is given, the residual stream entering each of those layers."""
+    `aux_layer_ids` is given, the residual stream after that many layers for each id (vLLM's
+    convention: 0 is the embeddings, j the output of layer j - 1, so id j is also the stream entering
+    layer j; `num_layers` is the last layer's output before the final norm)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -147,8 +149,13 @@ class CausalLM(nn.Module):
                     delta, residual = residual + delta, None
                 captured[i] = delta
             delta, residual = layer.forward_split(delta, residual, kv_caches[i], meta)
-        # in the order the head lists them (a repeated id repeats its layer)
+        n = len(self.model.layers)
+        if n in aux_layer_ids:  # id n: the last layer's output, before the final norm (vLLM's convention)
+            if residual is not None:
+                delta, residual = residual + delta, None
+            captured[n] = delta
         normed = self.model.norm(delta) if residual is None else self.model.norm.add_forward(delta, residual)[0]
+        # in the order the head lists them (a repeated id repeats its layer)
         return normed, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]

@@ -105,6 +105,43 @@ def test_aux_hidden_states_follow_the_heads_order(target: Path) -> None:
     assert torch.equal(aux[0], sorted_aux[1]) and torch.equal(aux[1], sorted_aux[0]) and torch.equal(aux[2], aux[0])
 
 
+def test_aux_ids_follow_vllms_convention_up_to_the_last_layers_output(target: Path) -> None:
+    """Aux id j is the residual stream after j target layers: 0 the embeddings, num_layers the last
+    layer's output before the final norm (vLLM's convention, which lets EAGLE-3 read what EAGLE-1
+    reads). The engine and the demo trainer (which builds the heads' features from HF) agree on every
+    id; asking for id num_layers leaves the final hidden state unchanged."""
+    from phalanx.demo.eagle import target_features
+
+    cfg = ModelConfig.from_hf(str(target), "float32")
+    model = load_model(cfg)
+    n = cfg.num_layers
+    ids = (0, 1, n // 2, n - 1, n)
+    tokens = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+    kv = allocate_kv_caches([(cfg.num_kv_heads, cfg.head_dim)] * n, 4, 4, torch.float32)
+    meta = build_attention_metadata(torch.tensor([7]), torch.tensor([0]), torch.tensor([[0, 1]]), 4)
+    with torch.inference_mode():
+        normed, aux = model(tokens, kv, meta, aux_layer_ids=ids)
+        plain, _ = model(tokens, kv, meta)
+    last, ref = target_features(load_hf(target), tokens[None], torch.ones(1, 7, dtype=torch.long), list(ids))
+    torch.testing.assert_close(torch.cat(aux, dim=-1), ref[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(normed, last[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(normed, plain)
+    assert not torch.allclose(aux[-1], last[0], atol=1e-2)  # id n is taken before the final norm
+
+
+@pytest.mark.parametrize("ids", [[0, 2, 5], [-1, 1, 2], [1, 2]])
+def test_eagle3_aux_ids_out_of_range_are_refused(ids: list[int], target: Path, tmp_path: Path) -> None:
+    import json
+
+    folder = make_eagle_head(target, tmp_path / "head", "eagle3")
+    cfg_file = folder / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = ids
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"aux layer ids .* invalid for a 4-layer target: three ids in 0\.\.4"):
+        load_eagle_head(str(folder), "eagle3", load_model(ModelConfig.from_hf(str(target), "float32")))
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_grown_head_starts_as_the_smaller_head(method: str, target: Path, tmp_path: Path) -> None:
     """The demo trainer's growth step (a 2-layer head continued as 3 layers): the new top layer starts

@@ -410,17 +410,17 @@ def default_aux_ids(n_layers: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- training
-# EAGLE-3 reads the residual stream entering target layers, never the last layer's output; a second
-# head layer lets it redo that layer's work (one layer stalls at 3.55 accepted tokens per step on the
-# 6-layer demo target, two reach ~3.87, EAGLE-1 3.90: docs/demo-models.md).
-HEAD_LAYERS = {"eagle": 1, "eagle3": 2}
-# The committed heads' recipes: (steps, peak lr) per stage; stage i > 0 continues from stage i - 1's
-# saved head with a fresh optimizer and schedule.
-# A stage may also grow the head (more layers than the stage before: `grow_from`) or change the
-# token loss: (steps, peak lr, layers, labels).
+# One decoder layer each. EAGLE-3 reads the low / middle target layers and the last layer's output
+# (aux id num_layers: the feature EAGLE-1 reads, before the final norm); while its ids stopped at the
+# stream entering the last layer, one layer stalled at 3.55 accepted tokens per step on the 6-layer
+# demo target and two reached ~3.87 against EAGLE-1's 3.90 (docs/demo-models.md).
+HEAD_LAYERS = {"eagle": 1, "eagle3": 1}
+# The committed heads' recipes: (steps, peak lr, layers, labels) per stage; stage i > 0 continues
+# from stage i - 1's saved head with a fresh optimizer and schedule (a stage may grow the head:
+# more layers than the stage before, `grow_from`).
 HEAD_STAGES: dict[str, list[tuple[int, float, int, str]]] = {
     "eagle": [(2400, 2e-3, 1, "hard")],
-    "eagle3": [(2400, 2e-3, 2, "soft"), (2400, 1e-3, 2, "soft")],
+    "eagle3": [(2400, 2e-3, 1, "soft"), (2400, 1e-3, 1, "hard"), (1600, 5e-4, 1, "hard")],
 }
 assert all(stages[-1][2] == HEAD_LAYERS[k] for k, stages in HEAD_STAGES.items())
 

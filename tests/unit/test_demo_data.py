@@ -197,22 +197,20 @@ def test_eagle3_head_format():
     H, V = tcfg["hidden_size"], tcfg["vocab_size"]
     p = BUILTIN_MODELS["phalanx-math-eagle3"]
     cfg = json.loads((p / "config.json").read_text())
-    # two layers (vLLM's multi-layer EAGLE-3): layer 0 takes [embed; feature] (2H), layer 1 is a
-    # plain pre-norm layer on the residual stream (docs/demo-models.md: why two)
-    assert cfg["architectures"] == ["Eagle3LlamaForCausalLM"] and cfg["num_hidden_layers"] == 2
+    # one layer (saved as `midlayer.`, the reference spelling) reading the low / middle target layers
+    # and the last layer's output (id num_hidden_layers, vLLM's convention; docs/demo-models.md)
+    assert cfg["architectures"] == ["Eagle3LlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
     ids = cfg["eagle_aux_hidden_state_layer_ids"]
-    assert len(ids) == 3 and ids == sorted(set(ids)) and max(ids) < tcfg["num_hidden_layers"]
+    assert len(ids) == 3 and ids == sorted(set(ids)) and ids[-1] == tcfg["num_hidden_layers"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
     dv = cfg["draft_vocab_size"]
     shapes = _tensor_shapes(p)
     assert shapes["fc.weight"] == (H, 3 * H)
     for n in ["q_proj", "k_proj", "v_proj"]:
-        assert shapes[f"layers.0.self_attn.{n}.weight"][1] == 2 * H
-        assert shapes[f"layers.1.self_attn.{n}.weight"][1] == H
+        assert shapes[f"midlayer.self_attn.{n}.weight"][1] == 2 * H
     for n in ["input_layernorm", "hidden_norm", "post_attention_layernorm"]:
-        assert shapes[f"layers.0.{n}.weight"] == (H,)
-    for n in ["input_layernorm", "post_attention_layernorm"]:
-        assert shapes[f"layers.1.{n}.weight"] == (H,)
-    assert "layers.1.hidden_norm.weight" not in shapes and not any(k.startswith("midlayer.") for k in shapes)
+        assert shapes[f"midlayer.{n}.weight"] == (H,)
+    assert not any(k.startswith("layers.") for k in shapes)
     assert shapes["norm.weight"] == (H,) and shapes["lm_head.weight"] == (dv, H)
     sd = load_file(str(p / "model.safetensors"))
     d2t, t2d = sd["d2t"], sd["t2d"]

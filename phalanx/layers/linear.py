@@ -10,7 +10,8 @@ every call. Packing once (what vLLM's CPU backend and inductor do) gives bitwise
 and is 1.5-3x faster for the few-row matmuls of decode and drafting, ~1.1-1.3x at 32 rows
 (measured on this 2-core AVX-512-BF16 machine: the 40M model's 32000x512 lm_head, 1 row, 1.72 ms ->
 0.53 ms; its 2816x512 gate/up, 86 -> 42 us). The dense weight is dropped after packing, so the
-packed model takes no more memory than the plain one (a tied lm_head keeps its embedding).
+packed model takes no more memory than the plain one (a tied lm_head keeps its embedding), except
+that layers of at most 2 MiB keep a second packed copy for few-row calls (`pair_linear`).
 """
 
 from __future__ import annotations
@@ -24,20 +25,48 @@ def prepack_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+# Few-row calls (decode, verification, drafting) of bias-free layers with at most this much weight go
+# to the C++ `pair_linear` (ops.cpu): oneDNN spends a fixed ~18 us per call at 1-4 rows, most of a
+# small layer's time (the demo model's 512 x 256 qkv: 19 -> 4 us, 1408 x 256 gate/up: 22 -> 10 us,
+# 2 threads). Bigger weights stream from memory, where oneDNN is as fast or faster (at 2816 x 512
+# they break even; the 40M model's 32000 x 512 lm_head is 2.5x faster on oneDNN), so they stay there.
+# Rows: one row at any K; up to 4 rows when K <= 512. Past that oneDNN's own order of summation for
+# several rows is not the kernel's (measured: K = 1408 at 2-4 rows differs in the last bit), and
+# the two paths must agree to the bit.
+PAIR_MAX_ROWS = 4
+PAIR_MULTI_ROW_MAX_K = 512
+PAIR_MAX_WEIGHT_BYTES = 2 << 20
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W pre-packed by oneDNN (`_reorder_linear_weight`); any leading dims."""
+    """y = x W^T + b with W pre-packed by oneDNN (`_reorder_linear_weight`); any leading dims.
+    A small bias-free layer also keeps W packed for `pair_linear` and sends calls of one row (up to
+    `PAIR_MAX_ROWS` rows when K <= `PAIR_MULTI_ROW_MAX_K`) there: bitwise the same result (tests/unit/test_packed_linear.py), so the
+    two paths are interchangeable and a row's output never depends on its batch's size."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.pairs: torch.Tensor | None = None  # W for pair_linear (small bias-free layers only)
+        self._pair_linear = None
+        self.pair_max_rows = PAIR_MAX_ROWS if self.in_features <= PAIR_MULTI_ROW_MAX_K else 1
+        if bias is None and weight.numel() * weight.element_size() <= PAIR_MAX_WEIGHT_BYTES:
+            from phalanx.ops import cpu as cpu_ops
+
+            module = cpu_ops.pair_linear_module()
+            if module is not None:
+                self.pairs = module.pack_pairs(weight.detach())
+                self._pair_linear = module.pair_linear
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._pair_linear is not None and x.dim() == 2 and x.shape[0] <= self.pair_max_rows and x.is_contiguous():
+            return self._pair_linear(x, self.pairs, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -663,6 +663,110 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// ---- few-row bf16 linear: y = x W^T for x [M, K] with small M (decode and drafting) ---------------
+// oneDNN's packed linear costs ~18 us per call at 1-4 rows whatever the size (its fixed overhead is
+// most of a small layer's time). This one streams a copy of W packed in AVX512-BF16 pairs,
+// [ceil(N / 16)][ceil(K / 2)][16 outputs][2], with one float32 accumulator per output lane, the k
+// pairs in order within blocks of 512 (block sums added in order, as oneDNN's kernel does) and one
+// rounding at the end: bitwise what oneDNN computes (tested on every shape and row count the tests
+// draw), so a request's result does not depend on which path its batch took.
+torch::Tensor pack_pairs(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_pairs: w must be a bfloat16 [N, K] matrix");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + 15) / 16, KP = (K + 1) / 2;
+  auto out = torch::zeros({NB, KP, 16, 2}, w.options());
+  const uint16_t* wp = u16(w);
+  uint16_t* op = u16_mut(out);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) op[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2] = wp[n * K + k];
+  return out;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kPairLinear = true;
+// oneDNN sums K in blocks of 512 (256 pairs): each block from zero, then added to the running total.
+constexpr int64_t kPairKBlock = 256;
+
+// T blocks of 16 outputs for M rows: T * M independent accumulators hide the dot-product latency
+// without splitting any output's sum.
+template <int M, int T>
+inline void pair_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb, uint16_t* y,
+                      int64_t N) {
+  __m512 acc[T][M], total[T][M];
+  const uint16_t* wb = w + nb * KP * 32;
+  const int64_t full = K / 2;
+  for (int64_t k0 = 0; k0 < KP; k0 += kPairKBlock) {
+    for (int t = 0; t < T; ++t)
+      for (int m = 0; m < M; ++m) acc[t][m] = _mm512_setzero_ps();
+    const int64_t k1 = std::min<int64_t>(KP, k0 + kPairKBlock);
+    for (int64_t kp = k0; kp < k1; ++kp) {
+      __m512bh xb[M];
+      for (int m = 0; m < M; ++m) {
+        uint32_t pair = x[m * K + 2 * kp];  // an odd K's last pair is (x, 0) against (w, 0)
+        if (kp < full) std::memcpy(&pair, x + m * K + 2 * kp, 4);
+        xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + (t * KP + kp) * 32);
+        for (int m = 0; m < M; ++m) acc[t][m] = _mm512_dpbf16_ps(acc[t][m], xb[m], wv);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int m = 0; m < M; ++m) total[t][m] = k0 == 0 ? acc[t][m] : _mm512_add_ps(total[t][m], acc[t][m]);
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t n0 = (nb + t) * 16, cnt = std::min<int64_t>(16, N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int m = 0; m < M; ++m)
+      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(total[t][m]));
+  }
+}
+
+template <int M>
+void pair_rows(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1, uint16_t* y,
+               int64_t N) {
+  constexpr int T = M == 1 ? 8 : 4;
+  int64_t nb = nb0;
+  for (; nb + T <= nb1; nb += T) pair_tile<M, T>(x, K, w, KP, nb, y, N);
+  for (; nb < nb1; ++nb) pair_tile<M, 1>(x, K, w, KP, nb, y, N);
+}
+#else
+constexpr bool kPairLinear = false;
+#endif
+
+bool pair_linear_supported() { return kPairLinear; }
+
+torch::Tensor pair_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(kPairLinear, "pair_linear: this build has no AVX512-BF16");
+  check_bf16_rows(x, "pair_linear");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "pair_linear: x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.size(1) == (x.size(1) + 1) / 2 &&
+              packed.size(0) == (N + 15) / 16 && packed.scalar_type() == torch::kBFloat16,
+              "pair_linear: packed must be pack_pairs of an [N, K] weight with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const uint16_t* xp = u16(x);
+  const uint16_t* wp = u16(packed);
+  uint16_t* y = u16_mut(out);
+  // chunks of 8 output blocks; a thread only for >= ~128 KB of weights
+  const int64_t chunks = (NB + 7) / 8, grain = std::max<int64_t>(1, (int64_t{1} << 17) / (KP * 32 * 8));
+  at::parallel_for(0, chunks, grain, [&](int64_t b, int64_t e) {
+    const int64_t nb0 = b * 8, nb1 = std::min<int64_t>(NB, e * 8);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      const uint16_t* xm = xp + m0 * K;
+      uint16_t* ym = y + m0 * N;
+      if (rows == 4) pair_rows<4>(xm, K, wp, KP, nb0, nb1, ym, N);
+      else if (rows == 3) pair_rows<3>(xm, K, wp, KP, nb0, nb1, ym, N);
+      else if (rows == 2) pair_rows<2>(xm, K, wp, KP, nb0, nb1, ym, N);
+      else pair_rows<1>(xm, K, wp, KP, nb0, nb1, ym, N);
+    }
+  });
+#endif
+  return out;
+}
+
 // Writes a layer's new keys and values into its paged cache: for token t < N (= slots.numel(); rows
 // of k / v past N are lockstep padding and write nothing), cache[0, h, slot_t] = k[t, h] and
 // cache[1, h, slot_t] = v[t, h] (slot = block * BS + offset). One call instead of two index_copy_.
@@ -778,7 +882,10 @@ def build_dir() -> Path:
     return path
 
 
-FUNCTIONS = ("decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write")
+FUNCTIONS = (
+    "decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
+    "pack_pairs", "pair_linear", "pair_linear_supported",
+)
 CFLAGS = ("-fopenmp", "-ffp-contract=off")  # besides -O3 -march=...: no FMA contraction, so each op rounds as written
 STALE_LOCK_S = 600.0  # a build takes ~30 s here; a lock this old was left by a killed build
 
@@ -869,6 +976,13 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [S, Q, H, D]
     return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
+
+
+def pair_linear_module() -> Any:
+    """The compiled module when bf16 linears of few rows should use its `pair_linear` (the backend
+    allows the kernels and the CPU has AVX512-BF16), else None."""
+    module = kernel_for(torch.bfloat16)
+    return module if module is not None and module.pair_linear_supported() else None
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -323,3 +323,6 @@ def test_the_portable_build_compiles_and_agrees(kernel) -> None:
     logits = torch.randint(0, 7, (4, 333)).float()
     for x in (logits, logits.bfloat16()):
         assert torch.equal(portable.argmax_rows(x), kernel.argmax_rows(x))
+    w = _bf16((40, 33), 8)
+    assert torch.equal(portable.pack_pairs(w), kernel.pack_pairs(w))
+    assert not portable.pair_linear_supported()  # PackedLinear keeps oneDNN there

@@ -9,11 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from phalanx import LLM, SamplingParams
-from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import (
+    PAIR_MAX_ROWS,
+    PAIR_MAX_WEIGHT_BYTES,
+    PAIR_MULTI_ROW_MAX_K,
+    PackedLinear,
+    prepack_linears,
+    prepack_supported,
+)
 from phalanx.models.llama import CausalLM
+from phalanx.ops import cpu as cpu_ops
 from tests.tiny_models import make_eagle_head, make_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16), reason="PyTorch built without oneDNN")
@@ -32,6 +42,70 @@ def test_packed_linear_is_bitwise_f_linear(rows: int, bias: bool) -> None:
     packed = PackedLinear.from_linear(lin)
     assert torch.equal(packed(x), F.linear(x, lin.weight, lin.bias))
     assert torch.equal(packed(x[:, None, :]).squeeze(1), packed(x))  # leading dims
+
+
+def _pair_module():
+    module = cpu_ops.pair_linear_module()
+    if module is None:
+        pytest.skip("no C++ kernels with AVX512-BF16 here")
+    return module
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 1200), k=st.integers(1, 2600), rows=st.integers(1, PAIR_MAX_ROWS), seed=st.integers(0, 2**16))
+def test_pair_linear_is_bitwise_onednn(n: int, k: int, rows: int, seed: int) -> None:
+    """The few-row kernel against oneDNN (F.linear) to the last bit, odd sizes included, wherever
+    PackedLinear routes calls to it (one row at any K; several rows when K <= 512): the two paths
+    must be interchangeable, or a request's tokens would depend on its batch's size."""
+    module = _pair_module()
+    if k > PAIR_MULTI_ROW_MAX_K:
+        rows = 1
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    x = (torch.randn(rows, k, generator=g) * 2).bfloat16()
+    assert torch.equal(module.pair_linear(x, module.pack_pairs(w), n), F.linear(x, w))
+
+
+@pytest.mark.parametrize("n,k", [(512, 256), (1408, 256), (256, 704), (925, 256), (1024, 512), (512, 1408), (64, 2000)])
+def test_pair_linear_on_model_shapes(n: int, k: int) -> None:
+    module = _pair_module()
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    for rows in (1, 2, 3, 4) if k <= PAIR_MULTI_ROW_MAX_K else (1,):
+        for _ in range(3):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            assert torch.equal(module.pair_linear(x, module.pack_pairs(w), n), F.linear(x, w))
+
+
+def test_pair_linear_refuses_mismatched_inputs() -> None:
+    module = _pair_module()
+    w = torch.randn(32, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="pack_pairs of an"):
+        module.pair_linear(torch.randn(2, 18).bfloat16(), module.pack_pairs(w), 32)
+    with pytest.raises(RuntimeError, match="expects bfloat16"):
+        module.pair_linear(torch.randn(2, 16), module.pack_pairs(w), 32)
+
+
+def test_packed_linear_uses_the_pair_kernel_for_few_rows_of_small_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pair_module()
+    g = torch.Generator().manual_seed(0)
+    small = PackedLinear(torch.randn(96, 64, generator=g).bfloat16(), None)
+    assert small.pairs is not None
+    assert PackedLinear(torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()).pairs is None  # bias
+    big_n = PAIR_MAX_WEIGHT_BYTES // (2 * 64) + 16
+    assert PackedLinear(torch.randn(big_n, 64).bfloat16(), None).pairs is None  # too big: oneDNN is faster
+    calls = []
+    real = small._pair_linear
+    small._pair_linear = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    w = torch.ops.mkldnn._linear_pointwise(torch.eye(64).bfloat16(), small.packed, None, "none", [], "").t()
+    for rows in (1, PAIR_MAX_ROWS, PAIR_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        assert torch.equal(small(x), F.linear(x, w))
+    assert calls == [1, PAIR_MAX_ROWS]
+    wide = PackedLinear(torch.randn(32, PAIR_MULTI_ROW_MAX_K + 2).bfloat16(), None)  # K > 512: one row only
+    assert wide.pairs is not None and wide.pair_max_rows == 1
+    monkeypatch.setenv("PHALANX_KERNELS", "torch")
+    assert PackedLinear(torch.randn(96, 64).bfloat16(), None).pairs is None
 
 
 def test_prepack_swaps_only_bf16_linears() -> None:

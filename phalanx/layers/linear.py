@@ -30,19 +30,20 @@ def prepack_supported(dtype: torch.dtype) -> bool:
 # small layer's time (the demo model's 512 x 256 qkv: 19 -> 4 us, 1408 x 256 gate/up: 22 -> 10 us,
 # 2 threads). Bigger weights stream from memory, where oneDNN is as fast or faster (at 2816 x 512
 # they break even; the 40M model's 32000 x 512 lm_head is 2.5x faster on oneDNN), so they stay there.
-# Rows: one row at any K; up to 4 rows when K <= 512. Past that oneDNN's own order of summation for
-# several rows is not the kernel's (measured: K = 1408 at 2-4 rows differs in the last bit), and
-# the two paths must agree to the bit.
+# Every row is summed in oneDNN's one-row order (K in blocks of 512), so the kernel's result equals
+# oneDNN's at one row, and at 2-4 rows when K <= 512. For K > 512 oneDNN's multi-row order differs from
+# its own one-row order (measured: K = 1408 at 2-4 rows, the last bit of some outputs), so no choice
+# keeps both; the kernel makes 1-4 rows agree with each other (a request verifying 3 drafts at c = 1
+# gets bitwise the logits of plain decoding) and with oneDNN at one row.
 PAIR_MAX_ROWS = 4
-PAIR_MULTI_ROW_MAX_K = 512
 PAIR_MAX_WEIGHT_BYTES = 2 << 20
 
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W pre-packed by oneDNN (`_reorder_linear_weight`); any leading dims.
-    A small bias-free layer also keeps W packed for `pair_linear` and sends calls of one row (up to
-    `PAIR_MAX_ROWS` rows when K <= `PAIR_MULTI_ROW_MAX_K`) there: bitwise the same result (tests/unit/test_packed_linear.py), so the
-    two paths are interchangeable and a row's output never depends on its batch's size."""
+    A small bias-free layer also keeps W packed for `pair_linear` and sends calls of up to
+    `PAIR_MAX_ROWS` rows there: bitwise oneDNN's result at one row (and at 2-4 rows when K <= 512), and
+    the same for every row count it serves (tests/unit/test_packed_linear.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -51,7 +52,6 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.pairs: torch.Tensor | None = None  # W for pair_linear (small bias-free layers only)
         self._pair_linear = None
-        self.pair_max_rows = PAIR_MAX_ROWS if self.in_features <= PAIR_MULTI_ROW_MAX_K else 1
         if bias is None and weight.numel() * weight.element_size() <= PAIR_MAX_WEIGHT_BYTES:
             from phalanx.ops import cpu as cpu_ops
 
@@ -65,7 +65,7 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._pair_linear is not None and x.dim() == 2 and x.shape[0] <= self.pair_max_rows and x.is_contiguous():
+        if self._pair_linear is not None and x.dim() == 2 and x.shape[0] <= PAIR_MAX_ROWS and x.is_contiguous():
             return self._pair_linear(x, self.pairs, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -9,8 +9,8 @@ Layout. The batch is one flat token sequence, request after request:
     positions [0, 1, 5, 8, 9, 10],   slot of a token = block_table[req, pos // B] * B + pos % B.
 Requests with short queries (decodes, draft verification, short chunks) form the *decode group*:
 one padded [num_dec, max_q] query grid over their gathered blocks, one SDPA call for all of them.
-Longer queries (prefill chunks) form the *prefill group*: one SDPA call each, no padding to the
-longest request.
+Longer queries (prefill chunks) form the *prefill group*: one attention call each (the C++ kernel
+over the paged cache, or SDPA on the reference path), no padding to the longest request.
 Padding (data-parallel lockstep pads every rank to the agreed batch size): `num_pad` extra tokens
 follow the real ones as one pseudo-request that attends only to itself and writes no KV.
 """
@@ -30,7 +30,9 @@ class PrefillSeq:
     start: int  # first token of this request in the flat batch
     end: int
     num_computed: int  # tokens already in the cache before this chunk
-    block_ids: torch.Tensor | None  # [num_blocks] covering num_computed + q_len, None if no context
+    # [1, num_blocks] covering num_computed + q_len; None for lockstep padding (which has no cache)
+    block_ids: torch.Tensor | None
+    visible: torch.Tensor | None = None  # [1, q_len] int64: keys each query attends (causal), as dec_visible
 
 
 @dataclass
@@ -94,7 +96,8 @@ def build_attention_metadata(
         for r in pre_rows:
             start, q, nc = int(starts[r]), int(q_lens[r]), int(num_computed[r])
             nb = (nc + q + block_size - 1) // block_size
-            meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r, :nb] if nc > 0 else None))
+            visible = torch.arange(nc + 1, nc + q + 1)[None]
+            meta.prefills.append(PrefillSeq(start, start + q, nc, block_table[r : r + 1, :nb], visible))
     if num_pad:
         meta.prefills.append(PrefillSeq(total, total + num_pad, 0, None))
     return meta

@@ -57,16 +57,25 @@ def paged_attention(
         out[meta.dec_token_idx[meta.dec_valid]] = od[meta.dec_valid]
 
     for seq in meta.prefills or ():
+        if kernel is not None and seq.block_ids is not None:
+            # The decode kernel takes any query count: keys and values from the paged cache (this
+            # chunk's already written), causal through `visible`; 2.5-3.7x faster than SDPA's flash
+            # kernel on 16-256-token prompts, and each query's result is the one it would get decoding.
+            assert seq.visible is not None
+            grid = q[seq.start : seq.end].unsqueeze(0)  # [1, q, H, D]
+            out[seq.start : seq.end] = cpu_ops.decode_attention(kernel, grid, kv_cache, seq.block_ids, seq.visible, scale)[0]
+            continue
         qp = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if seq.block_ids is None:
+        if seq.num_computed == 0:
             # Fresh prompt: the keys are exactly this chunk's, plain causal attention.
             kp = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             vp = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
             seq_len = seq.num_computed + (seq.end - seq.start)
-            kp = _gather(kv_cache[0], seq.block_ids, meta.cache)[:, :seq_len].unsqueeze(0)  # [1, kvh, L, D]
-            vp = _gather(kv_cache[1], seq.block_ids, meta.cache)[:, :seq_len].unsqueeze(0)
+            assert seq.block_ids is not None
+            kp = _gather(kv_cache[0], seq.block_ids, meta.cache)[:, 0, :seq_len].unsqueeze(0)  # [1, kvh, L, D]
+            vp = _gather(kv_cache[1], seq.block_ids, meta.cache)[:, 0, :seq_len].unsqueeze(0)
             q_pos = torch.arange(seq.num_computed, seq_len)
             mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q, seq_len]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)

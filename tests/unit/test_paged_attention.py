@@ -84,3 +84,36 @@ def test_paged_attention_matches_dense_reference(backend, case, monkeypatch) -> 
         for pos in range(nc, nc + q):
             assert torch.equal(kv[0, :, table[r, pos // BS], pos % BS], full_k[r][pos])
             assert torch.equal(kv[1, :, table[r, pos // BS], pos % BS], full_v[r][pos])
+
+
+def test_prefill_through_the_kernel_is_query_count_invariant(monkeypatch) -> None:
+    """With the C++ kernel, prefill chunks run the decode kernel over the paged cache: a prompt's
+    attention outputs are bitwise the same whether it is prefilled whole, in two chunks, or its last
+    tokens decoded one by one (bf16), so chunking never changes a token."""
+    from phalanx.ops import cpu as cpu_ops
+
+    monkeypatch.setenv("PHALANX_KERNELS", "auto")
+    if cpu_ops.kernel_for(torch.bfloat16) is None:
+        pytest.skip("C++ kernels unavailable")
+    gen = torch.Generator().manual_seed(0)
+    n, h, kvh, d, bs = 40, 4, 2, 64, 16
+    q = torch.randn(n, h, d, generator=gen).bfloat16()
+    k = torch.randn(n, kvh, d, generator=gen).bfloat16()
+    v = torch.randn(n, kvh, d, generator=gen).bfloat16()
+    table = torch.tensor([[3, 0, 5]])
+
+    def run(splits: list[int]) -> torch.Tensor:
+        kv = torch.zeros(kv_cache_shape(8, bs, kvh, d), dtype=torch.bfloat16)
+        outs, start = [], 0
+        for size in splits:
+            meta = build_attention_metadata(torch.tensor([size]), torch.tensor([start]), table, bs)
+            sl = slice(start, start + size)
+            outs.append(paged_attention(q[sl], k[sl], v[sl], kv, meta, d**-0.5))
+            start += size
+        return torch.cat(outs)
+
+    whole = run([n])
+    assert torch.equal(run([23, 17]), whole)
+    assert torch.equal(run([36, 1, 1, 1, 1]), whole)
+    ref = _reference(q.float(), k.float(), v.float(), 0, d**-0.5)
+    torch.testing.assert_close(whole.float(), ref, atol=2e-2, rtol=2e-2)

@@ -1,8 +1,9 @@
 """Fused C++ kernels for the CPU hot path, built on first use (JIT) and optional.
 
 Owns: the kernel source, building / loading it (`load`), the backend choice (``PHALANX_KERNELS``),
-`decode_attention` (the paged attention's decode group), `cache_write` (a layer's new keys and
-values into the paged cache, one call), `argmax` (greedy tokens from the logits)
+`decode_attention` (the paged attention's decode group and prefill chunks), `cache_write` (a layer's
+new keys and values into the paged cache, one call), `argmax` (greedy tokens from the logits),
+`pack_pairs` / `pair_linear` (few-row bf16 linears, used by ``layers.linear.PackedLinear``)
 and `attach` (hands the module to the layers that use the elementwise ops: RMSNorm, residual add +
 RMSNorm, rotary, SiLU-and-multiply).
 Does not own: the reference implementations (``attention.torch_paged``, ``layers.*``), which every

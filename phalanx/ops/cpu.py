@@ -979,11 +979,38 @@ def decode_attention(
     return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
 
 
+_pair_verdict: dict[int, bool] = {}  # id(module) -> pair_linear matches this CPU's oneDNN
+
+
 def pair_linear_module() -> Any:
-    """The compiled module when bf16 linears of few rows should use its `pair_linear` (the backend
-    allows the kernels and the CPU has AVX512-BF16), else None."""
+    """The compiled module when bf16 linears of few rows should use its `pair_linear`: the backend
+    allows the kernels, the CPU has AVX512-BF16, and on this CPU the kernel reproduces oneDNN's
+    results to the bit (checked once per process: oneDNN picks its kernel by CPU, and one with
+    another summation order, e.g. AMX tiles, would make the two paths disagree). Else None."""
     module = kernel_for(torch.bfloat16)
-    return module if module is not None and module.pair_linear_supported() else None
+    if module is None or not module.pair_linear_supported():
+        return None
+    key = id(module)
+    if key not in _pair_verdict:
+        _pair_verdict[key] = _pair_linear_matches_onednn(module)
+        if not _pair_verdict[key]:
+            log.warning("phalanx: the few-row linear kernel does not reproduce this CPU's oneDNN results "
+                        "bit for bit; bf16 linears stay on oneDNN")
+    return module if _pair_verdict[key] else None
+
+
+def _pair_linear_matches_onednn(module: Any) -> bool:
+    """Shapes where an order difference would show (long K: many roundings per output; 1-4 rows)."""
+    g = torch.Generator().manual_seed(0)
+    for n, k, rows in ((1024, 1408, 1), (1024, 600, 1), (1000, 256, 4), (1024, 512, 3), (999, 97, 2)):
+        w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        want = torch.nn.functional.linear(x, w)
+        if rows > 1 and k > 512:
+            want = torch.cat([torch.nn.functional.linear(x[r : r + 1], w) for r in range(rows)])
+        if not torch.equal(module.pair_linear(x, module.pack_pairs(w), n), want):
+            return False
+    return True
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,17 @@ def test_packed_linear_is_bitwise_f_linear(rows: int, bias: bool) -> None:
 def _pair_module():
     module = cpu_ops.pair_linear_module()
     if module is None:
-        pytest.skip("no C++ kernels with AVX512-BF16 here")
+        pytest.skip("no C++ kernels with AVX512-BF16 here, or this CPU's oneDNN sums in another order")
     return module
+
+
+def test_pair_kernel_is_off_where_it_would_not_match_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up check: a CPU whose oneDNN sums in another order keeps every linear on oneDNN."""
+    _pair_module()
+    monkeypatch.setattr(cpu_ops, "_pair_verdict", {})
+    monkeypatch.setattr(cpu_ops, "_pair_linear_matches_onednn", lambda module: False)
+    assert cpu_ops.pair_linear_module() is None
+    assert PackedLinear(torch.randn(96, 64).bfloat16(), None).pairs is None
 
 
 @settings(max_examples=80, deadline=None)

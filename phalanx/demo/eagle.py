@@ -565,9 +565,8 @@ def train(kind: str, seed: int = 0, steps: int | None = None, n_seqs: int | None
     if eagle3:
         fc_lr_scale = 1.0 / float(torch.cat([f for f, _ in feats[:64]]).float().pow(2).mean().sqrt())
         print(f"EAGLE-3 fc learning-rate scale 1/RMS(features) = {fc_lr_scale:.4f}", flush=True)
-    fc_params = [head.fc.weight]
-    other = [p for p in head.parameters() if p.requires_grad and all(p is not q for q in fc_params)]
-    opt = torch.optim.AdamW([{"params": other, "lr_scale": 1.0}, {"params": fc_params, "lr_scale": fc_lr_scale}],
+    other = [p for p in head.parameters() if p.requires_grad and p is not head.fc.weight]
+    opt = torch.optim.AdamW([{"params": other, "lr_scale": 1.0}, {"params": [head.fc.weight], "lr_scale": fc_lr_scale}],
                             lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     from phalanx.demo.common import lr_at
 

@@ -980,7 +980,7 @@ def decode_attention(
     return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
 
 
-_pair_verdict: dict[int, bool] = {}  # id(module) -> pair_linear matches this CPU's oneDNN
+_pair_ok: bool | None = None  # pair_linear matches this CPU's oneDNN (None: not checked yet)
 
 
 def pair_linear_module() -> Any:
@@ -991,13 +991,13 @@ def pair_linear_module() -> Any:
     module = kernel_for(torch.bfloat16)
     if module is None or not module.pair_linear_supported():
         return None
-    key = id(module)
-    if key not in _pair_verdict:
-        _pair_verdict[key] = _pair_linear_matches_onednn(module)
-        if not _pair_verdict[key]:
+    global _pair_ok
+    if _pair_ok is None:  # the module is one per process (`load`), so is the check
+        _pair_ok = _pair_linear_matches_onednn(module)
+        if not _pair_ok:
             log.warning("phalanx: the few-row linear kernel does not reproduce this CPU's oneDNN results "
                         "bit for bit; bf16 linears stay on oneDNN")
-    return module if _pair_verdict[key] else None
+    return module if _pair_ok else None
 
 
 def _pair_linear_matches_onednn(module: Any) -> bool:

@@ -53,7 +53,7 @@ def _pair_module():
 def test_pair_kernel_is_off_where_it_would_not_match_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up check: a CPU whose oneDNN sums in another order keeps every linear on oneDNN."""
     _pair_module()
-    monkeypatch.setattr(cpu_ops, "_pair_verdict", {})
+    monkeypatch.setattr(cpu_ops, "_pair_ok", None)
     monkeypatch.setattr(cpu_ops, "_pair_linear_matches_onednn", lambda module: False)
     assert cpu_ops.pair_linear_module() is None
     assert PackedLinear(torch.randn(96, 64).bfloat16(), None).pairs is None

@@ -55,6 +55,20 @@ class AttentionMetadata:
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
 
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(block table [R, W], visible [R, Q], Q) when the whole batch is one [R, Q] query grid in
+        flat order — a uniform decode / verification / drafting batch, or a single prompt chunk
+        alone — which one attention call over the paged cache serves (``ops.cpu.fused_layer``);
+        None for mixed or padded batches."""
+        if self.uniform_decode_len:
+            assert self.dec_block_table is not None and self.dec_visible is not None
+            return self.dec_block_table, self.dec_visible, self.uniform_decode_len
+        if self.dec_token_idx is None and self.prefills is not None and len(self.prefills) == 1:
+            seq = self.prefills[0]
+            if seq.block_ids is not None and seq.visible is not None and seq.start == 0 and seq.end == self.num_tokens:
+                return seq.block_ids, seq.visible, seq.end
+        return None
+
 
 def build_attention_metadata(
     q_lens: torch.Tensor,  # [R] int64 query tokens per request

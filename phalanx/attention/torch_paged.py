@@ -99,9 +99,15 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
 
 def _kernel(q: torch.Tensor, meta: AttentionMetadata):  # -> the compiled ops module or None
     """The C++ kernels for this forward's dtype (``ops.cpu``), looked up once per forward."""
-    key = ("cpu_kernel", q.dtype, q.device.type)
+    return attention_kernel(q.dtype, meta, q.device.type)
+
+
+def attention_kernel(dtype: torch.dtype, meta: AttentionMetadata, device: str = "cpu"):  # -> module or None
+    """The C++ kernels when they serve this forward's attention (the backend allows them and the
+    dtype is theirs), looked up once per forward (memoised on `meta`)."""
+    key = ("cpu_kernel", dtype, device)
     if key not in meta.cache:
-        meta.cache[key] = cpu_ops.kernel_for(q.dtype) if q.device.type == "cpu" else None
+        meta.cache[key] = cpu_ops.kernel_for(dtype) if device == "cpu" else None
     return meta.cache[key]
 
 

@@ -61,11 +61,16 @@ class RotaryEmbedding(nn.Module):
         share them; `cache` lives on the batch's attention metadata)."""
         key = (id(self), dtype)
         if key not in cache:
-            typed = self._typed.get(dtype)
-            if typed is None or typed[0].device != self.cos.device:  # the tables in `dtype`, once
-                typed = self._typed[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-            cache[key] = (typed[0][positions].unsqueeze(1), typed[1][positions].unsqueeze(1))
+            cos, sin = self.typed_tables(dtype)
+            cache[key] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
         return cache[key]
+
+    def typed_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos / sin tables [max_positions, head_dim] in `dtype` (converted once)."""
+        typed = self._typed.get(dtype)
+        if typed is None or typed[0].device != self.cos.device:
+            typed = self._typed[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return typed
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: dict | None = None

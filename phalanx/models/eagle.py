@@ -29,7 +29,7 @@ from torch import nn
 
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import prepack_linears, prepack_supported
+from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
@@ -122,6 +122,7 @@ class Eagle1Head(_HeadBase):
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.layers = nn.ModuleList([layer] + _more_layers(cfg, self.rotary))
         self.lm_head: nn.Module | None = None
+        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
 
     def forward(
         self,
@@ -139,6 +140,50 @@ class Eagle1Head(_HeadBase):
         if self.lm_head is None:
             return self.argmax(self.target[0].compute_logits(hidden, float32=False))
         return self.argmax(self.lm_head(hidden))
+
+    def chain_form(self) -> tuple | None:
+        """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: passes 2..k in one
+        call) when this head can use it — one layer running wholly on the fused kernels, a bias-free
+        fc and a logits head small enough for ``pair_linear`` — else None. Resolved once."""
+        if self._chain is False:
+            self._chain = self._resolve_chain()
+        return self._chain  # type: ignore[return-value]
+
+    def _resolve_chain(self) -> tuple | None:
+        if len(self.layers) != 1:
+            return None
+        fused = self.layers[0].fused_form()
+        target = self.target[0]
+        logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
+        if fused is None or fused[1] is not None:  # the first layer has no input norm
+            return None
+        if not all(isinstance(x, PackedLinear) and x.pairs is not None for x in (self.fc, logits_head)):
+            return None
+        kernel, _, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = fused
+        if any(t.numel() == 0 for t in linears[2::3]):  # every linear of the layer on pair_linear
+            return None
+        cos_table, sin_table = rotary.typed_tables(ln2.dtype)
+        embed = self.embed_tokens.weight if self.embed_tokens is not None else target.model.embed_tokens.weight
+        return (kernel, embed, self.fc.pairs, self.fc.out_features, ln2, eps, linears, widths, heads, scale,  # type: ignore[union-attr]
+                pair_rows, cos_table, sin_table, logits_head.pairs, logits_head.out_features)  # type: ignore[union-attr]
+
+    def draft_chain(
+        self,
+        tokens: torch.Tensor,  # [n] draft 1 of each drafting request
+        feed: torch.Tensor,  # [n, H] pass 1's output rows
+        positions: torch.Tensor,  # [n] where draft 1 is fed
+        block_table: torch.Tensor,  # [n, W]
+        block_size: int,
+        passes: int,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [n, passes - 1] drafts 2..passes
+        """Passes 2..`passes` in one C++ call (`chain_form` must be set): bitwise the drafts and KV
+        writes of running `forward` + `draft_token_ids` pass by pass."""
+        chain = self.chain_form()
+        assert chain is not None
+        kernel, embed, fc, fc_width, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, head, vocab = chain
+        return kernel.eagle_chain(tokens, feed, positions, block_table, block_size, passes, embed, fc, fc_width,
+                                  ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, kv_cache, head, vocab)
 
 
 class Eagle3Layer(nn.Module):

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from phalanx.attention.metadata import AttentionMetadata
-from phalanx.attention.torch_paged import paged_attention
+from phalanx.attention.torch_paged import attention_kernel, paged_attention
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import PAIR_MAX_ROWS, PackedLinear, prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.moe import SparseMoE
 from phalanx.layers.norm import RMSNorm
@@ -80,9 +80,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
+        self._fused: tuple | None | bool = False  # the one-call form's arguments (False: not resolved)
+
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         delta, residual = self.forward_split(x, None, kv_cache, meta)
         return residual + delta
+
+    def fused_form(self) -> tuple | None:
+        """(kernel, fixed arguments) of the C++ one-call layer (``ops.cpu.fused_layer``) when every
+        part of this layer already runs on the kernels it chains (bf16: pair_linear-packed linears,
+        fused norms, rotary and SiLU-and-multiply; no q/k norm, a dense MLP), else None. Resolved once,
+        at the first few-row forward, after loading packed and attached the layer."""
+        if self._fused is False:
+            self._fused = _fused_form(self)
+        return self._fused  # type: ignore[return-value]
 
     def forward_split(
         self, delta: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -91,12 +102,49 @@ class DecoderLayer(nn.Module):
         ``residual`` is None); returns the same split for the stream leaving it (the MLP's output,
         and the stream before it), so the add that closes a layer is fused into the next layer's
         input norm (`RMSNorm.add_forward`: the same sum, rounded once, as ``x + mlp(h)``)."""
+        grid = meta.grid()
+        if grid is not None and delta.is_contiguous():
+            fused = self.fused_form()
+            if fused is not None and attention_kernel(delta.dtype, meta) is not None:
+                kernel, *weights, rotary = fused
+                cos, sin = rotary.tables(meta.positions, delta.dtype, meta.cache)
+                return kernel.fused_layer(delta, residual, *weights, cos, sin, kv_cache, meta.slot_mapping, *grid)
         if residual is None:
             x_in, residual = self.input_layernorm(delta), delta
         else:
             x_in, residual = self.input_layernorm.add_forward(delta, residual)
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x_in, kv_cache, meta), residual)
         return self.mlp(h), residual
+
+
+def _fused_form(layer: DecoderLayer) -> tuple | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    if not all(isinstance(x, PackedLinear) for x in linears):
+        return None
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    if isinstance(ln1, RMSNorm):
+        if ln1.kernel is None or ln1.eps != ln2.eps:
+            return None
+    elif not isinstance(ln1, nn.Identity):
+        return None
+    if not (ln2.kernel is not None and isinstance(mlp, GatedMLP) and mlp.kernel is not None
+            and attn.rotary.kernel is not None and attn.q_norm is None and hasattr(mlp.kernel, "fused_layer")):
+        return None
+    none = torch.empty(0)
+    tensors = [t if t is not None else none for x in linears for t in (x.packed, x.bias, x.pairs)]  # type: ignore[union-attr]
+    return (
+        mlp.kernel,
+        ln1.weight if isinstance(ln1, RMSNorm) else None,
+        ln2.weight,
+        ln2.eps,
+        tensors,
+        [x.out_features for x in linears],  # type: ignore[union-attr]
+        [attn.num_heads, attn.num_kv_heads, attn.head_dim],
+        attn.scale,
+        PAIR_MAX_ROWS,
+        attn.rotary,
+    )
 
 
 class DecoderModel(nn.Module):

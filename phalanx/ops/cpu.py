@@ -845,6 +845,140 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   }
   return out;
 }
+
+// ---- one whole decoder layer in one call (decode, verification, drafting, a lone prompt chunk) -----
+// Llama's layer as the module path runs it on the kernels above: the input norm (or none: an EAGLE-1
+// head's first layer; with `residual`, the residual add fused into it), the qkv projection, rotary
+// on queries and keys, the KV write, the decode attention over the batch's [R, Q] grid (every request
+// the same query length Q, the flat batch in order), o_proj, the add + post-attention norm, gate/up,
+// SiLU-and-multiply, down. The same functions in the same order as the module path
+// (``models.llama.DecoderLayer.forward_split``), so the result is bitwise the same; what it saves is
+// the ~15 Python-level calls and ~10 dispatches per layer, which at a few rows cost more than the
+// arithmetic. Returns (the MLP's output, the residual stream before it), as forward_split does.
+// One linear of a fused layer: its oneDNN-packed weight (``layers.linear.PackedLinear.packed``), its
+// bias (undefined: none) and its pair_linear copy (undefined: none), used as PackedLinear.forward
+// does: pair_linear for up to `pair_rows` rows when the copy exists, oneDNN's packed linear otherwise.
+struct Linear {
+  torch::Tensor packed, bias, pairs;
+  int64_t out_features;
+};
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const Linear& l) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, l.packed, l.bias.defined() ? c10::IValue(l.bias) : c10::IValue(), std::string("none"),
+                          c10::List<c10::optional<at::Scalar>>(), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+torch::Tensor apply(const Linear& l, const torch::Tensor& x, int64_t pair_rows) {
+  if (l.pairs.defined() && x.size(0) <= pair_rows && x.is_contiguous()) return pair_linear(x, l.pairs, l.out_features);
+  return onednn_linear(x, l);
+}
+
+struct LayerWeights {
+  c10::optional<torch::Tensor> ln1;
+  torch::Tensor ln2;
+  Linear qkv, o, gate_up, down;
+  int64_t H, KVH, D, pair_rows;
+  double eps, scale;
+};
+
+// linears: per layer [qkv, o, gate_up, down] x (packed, bias, pairs) — an empty tensor for "none";
+// widths their out features; heads [num_heads, num_kv_heads, head_dim].
+LayerWeights layer_weights(c10::optional<torch::Tensor> ln1, torch::Tensor ln2, double eps,
+                           const std::vector<torch::Tensor>& linears, const std::vector<int64_t>& widths,
+                           const std::vector<int64_t>& heads, double scale, int64_t pair_rows) {
+  TORCH_CHECK(linears.size() == 12 && widths.size() == 4 && heads.size() == 3,
+              "fused layer: linears are [qkv, o, gate_up, down] x (packed, bias, pairs), widths their out "
+              "features, heads [num_heads, num_kv_heads, head_dim]");
+  TORCH_CHECK(widths[0] == (heads[0] + 2 * heads[1]) * heads[2], "fused layer: qkv width disagrees with the heads");
+  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
+  Linear l[4];
+  for (int i = 0; i < 4; ++i) l[i] = {linears[3 * i], opt(linears[3 * i + 1]), opt(linears[3 * i + 2]), widths[i]};
+  return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], pair_rows, eps, scale};
+}
+
+std::vector<torch::Tensor> layer_impl(const LayerWeights& w, torch::Tensor delta, c10::optional<torch::Tensor> residual,
+                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
+                                      torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+  const int64_t H = w.H, KVH = w.KVH, D = w.D, T = delta.size(0);
+  TORCH_CHECK(qlen > 0 && T % qlen == 0, "fused layer: ", T, " tokens are not whole requests of ", qlen);
+  torch::Tensor x_in, res;
+  if (residual.has_value()) {
+    TORCH_CHECK(w.ln1.has_value(), "fused layer: a residual needs the input norm");
+    auto r = rms_norm_impl(delta, residual, *w.ln1, w.eps);
+    x_in = r[0];
+    res = r[1];
+  } else {
+    x_in = w.ln1.has_value() ? rms_norm_impl(delta, c10::nullopt, *w.ln1, w.eps)[0] : delta.contiguous();
+    res = delta;
+  }
+  auto qkv = apply(w.qkv, x_in, w.pair_rows);  // [T, (H + 2 KVH) D]
+  auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
+  auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
+  cache_write(kv_cache, qk.slice(1, H, H + KVH), v, slots);
+  auto q = qk.slice(1, 0, H).reshape({T / qlen, qlen, H, D});
+  auto attn = decode_attention(q, kv_cache, block_table, visible, w.scale).view({T, H * D});
+  auto o = apply(w.o, attn, w.pair_rows);
+  auto post = rms_norm_impl(o, res, w.ln2, w.eps);  // (norm(o + res), o + res)
+  auto act = silu_mul(apply(w.gate_up, post[0], w.pair_rows));
+  return {apply(w.down, act, w.pair_rows), post[1]};
+}
+
+std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch::Tensor> residual,
+                                       c10::optional<torch::Tensor> ln1, torch::Tensor ln2, double eps,
+                                       std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
+                                       std::vector<int64_t> heads, double scale, int64_t pair_rows, torch::Tensor cos,
+                                       torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
+                                       torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+  return layer_impl(layer_weights(ln1, ln2, eps, linears, widths, heads, scale, pair_rows), delta, residual, cos, sin,
+                    kv_cache, slots, block_table, visible, qlen);
+}
+
+// EAGLE-1 drafting passes 2..`passes` of a one-layer head whose parts all run on these kernels, in
+// one call: pass j feeds each request's draft j-1 at position `positions + j - 2` with the head's
+// previous output, and drafts token j — embed, cat, fc, the layer (`layer_impl`, no input norm), the
+// residual add, the logits head and the argmax, the same functions in the same order as the module
+// path (``spec_decode.proposer.draft_rest`` over ``models.eagle.Eagle1Head``), so the drafts and the
+// head's KV are bitwise the same. tokens [n] (draft 1), feed [n, H] (pass 1's output rows),
+// positions [n] (where draft 1 is fed), block_table [n, W]; cos / sin the rotary tables [P, D].
+// Returns the drafts 2..passes, [n, passes - 1].
+torch::Tensor eagle_chain(torch::Tensor tokens, torch::Tensor feed, torch::Tensor positions, torch::Tensor block_table,
+                          int64_t block_size, int64_t passes, torch::Tensor embed, torch::Tensor fc, int64_t fc_width,
+                          torch::Tensor ln2, double eps, std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
+                          std::vector<int64_t> heads, double scale, int64_t pair_rows, torch::Tensor cos_table,
+                          torch::Tensor sin_table, torch::Tensor kv_cache, torch::Tensor logits_head, int64_t vocab) {
+  const auto w = layer_weights(c10::nullopt, ln2, eps, linears, widths, heads, scale, pair_rows);
+  TORCH_CHECK(tokens.size(0) <= pair_rows, "eagle_chain: at most ", pair_rows, " requests (pair_linear's rows)");
+  TORCH_CHECK(tokens.dim() == 1 && positions.sizes() == tokens.sizes() && block_table.dim() == 2 &&
+                  block_table.size(0) == tokens.size(0) && feed.dim() == 2 && feed.size(0) == tokens.size(0),
+              "eagle_chain: tokens / positions [n], feed [n, H], block_table [n, W]");
+  const int64_t n = tokens.size(0), width = block_table.size(1);
+  TORCH_CHECK(n > 0 && passes >= 2, "eagle_chain: needs requests and at least two passes");
+  block_table = block_table.contiguous();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  auto drafts = torch::empty({n, passes - 1}, tokens.options());
+  for (int64_t j = 0; j + 1 < passes; ++j) {
+    auto pos = positions + j;  // [n]
+    auto slots = torch::empty_like(pos);
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(pp[i] >= 0 && pp[i] / block_size < width, "eagle_chain: position ", pp[i], " past the block table");
+      sp[i] = table[i * width + pp[i] / block_size] * block_size + pp[i] % block_size;
+    }
+    auto x = pair_linear(torch::cat({embed.index_select(0, tokens), feed}, 1), fc, fc_width);
+    auto layer = layer_impl(w, x, c10::nullopt, cos_table.index_select(0, pos).unsqueeze(1),
+                            sin_table.index_select(0, pos).unsqueeze(1), kv_cache, slots, block_table,
+                            (pos + 1).unsqueeze(1), 1);
+    feed = layer[1] + layer[0];
+    tokens = argmax_rows(pair_linear(feed, logits_head, vocab));
+    drafts.select(1, j).copy_(tokens);
+  }
+  return drafts;
+}
 """
 
 _lock = threading.Lock()
@@ -886,7 +1020,8 @@ def build_dir() -> Path:
 
 FUNCTIONS = (
     "decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
-    "pack_pairs", "pair_linear", "pair_linear_supported",
+    "pack_pairs", "pair_linear", "pair_linear_supported", "fused_layer",
+    "eagle_chain",
 )
 CFLAGS = ("-fopenmp", "-ffp-contract=off")  # besides -O3 -march=...: no FMA contraction, so each op rounds as written
 STALE_LOCK_S = 600.0  # a build takes ~30 s here; a lock this old was left by a killed build

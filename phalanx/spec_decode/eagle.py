@@ -18,8 +18,10 @@ import torch
 
 from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
-from phalanx.models.eagle import Eagle3Head, load_eagle_head
+from phalanx.layers.linear import PAIR_MAX_ROWS
+from phalanx.models.eagle import Eagle1Head, Eagle3Head, load_eagle_head
 from phalanx.models.llama import CausalLM
+from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
@@ -65,6 +67,19 @@ class EagleProposer:
             hidden = torch.cat([hidden, hidden.new_zeros(p.num_pad, hidden.shape[1])])
         return self.head(p.input_ids, hidden, self.kv_caches, p.meta)
 
+    def _chains(self, batch: ProposeBatch, n: int, passes: int) -> bool:
+        """Passes 2..k go through the C++ chain (``Eagle1Head.draft_chain``): a one-layer EAGLE-1
+        head on the fused kernels, 1-4 drafting requests (the rows ``pair_linear`` serves), and no
+        lockstep padding (DP lockstep pads every pass to the voted size: the pass-by-pass path)."""
+        return (
+            batch.pass_sizes is None
+            and 0 < n <= PAIR_MAX_ROWS
+            and passes > 1
+            and isinstance(self.head, Eagle1Head)
+            and self.head.chain_form() is not None
+            and cpu_ops.kernel_for(self.head.config.dtype) is not None
+        )
+
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         assert batch.target_hidden is not None
         k = self.num_speculative_tokens
@@ -103,6 +118,14 @@ class EagleProposer:
         positions = torch.tensor([feeds[f][2] + len(feeds[f][1]) for f in drafting], dtype=torch.int64)
 
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
+        if self._chains(batch, n, passes):  # all of them in one C++ call, bitwise the same
+            assert isinstance(self.head, Eagle1Head)
+            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+            rest = self.head.draft_chain(tokens, feed, positions, table, self.block_size, passes, self.kv_caches[0])
+            for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
+                drafts[row].extend(toks)
+            return drafts
+
         def forward(p: DrafterPass) -> torch.Tensor:
             nonlocal feed
             for_logits, fed = self._run(p, feed)

@@ -1,0 +1,155 @@
+"""The one-call decoder layer (``ops.cpu.fused_layer``) and the EAGLE drafting chain
+(``ops.cpu.eagle_chain``): each must give bitwise the module path's hidden states, KV writes and
+drafts, since the engine switches between them by batch shape (a request's tokens must not depend
+on whether its step ran fused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.attention.metadata import build_attention_metadata
+from phalanx.layers.linear import prepack_supported
+from phalanx.ops import cpu as cpu_ops
+from tests.tiny_models import make_eagle_head, make_model
+
+pytestmark = pytest.mark.skipif(
+    not prepack_supported(torch.bfloat16) or cpu_ops.pair_linear_module() is None,
+    reason="needs oneDNN and the C++ kernels with AVX512-BF16 matching this CPU's oneDNN",
+)
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    # head_dim 32: the attention kernel's register-tiled path, as the demo model's 64
+    target = make_model("LlamaForCausalLM", tmp_path_factory.mktemp("fused") / "m", hidden_size=128,
+                        intermediate_size=160, num_hidden_layers=3)
+    return LLM(str(target), dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
+
+
+def _caches(llm: LLM, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(c.shape, generator=g).to(c.dtype) for c in llm.engine.runner.kv_caches]
+
+
+def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_pad: int = 0):  # noqa: ANN001, ANN202
+    meta = build_attention_metadata(torch.tensor(q_lens), torch.tensor(num_computed), table, BLOCK, num_pad)
+    saved = [layer._fused for layer in model.model.layers]
+    if not fused:
+        for layer in model.model.layers:
+            layer._fused = None
+    try:
+        return model(ids, caches, meta, aux_layer_ids=(1, 3))
+    finally:
+        for layer, s in zip(model.model.layers, saved):
+            layer._fused = s
+
+
+@pytest.mark.parametrize(
+    "q_lens,num_computed",
+    [
+        ([1], [5]),  # plain decode at c = 1
+        ([1, 1, 1], [20, 3, 47]),
+        ([4], [9]),  # verifying 3 drafts
+        ([3, 3], [17, 40]),
+        ([1] * 8, list(range(8, 64, 7))),  # past pair_linear's 4 rows: oneDNN inside the layer
+        ([4] * 5, [30, 2, 60, 17, 9]),
+        ([40], [0]),  # a lone prompt
+        ([25], [16]),  # a lone later chunk of a prompt
+    ],
+)
+def test_fused_layer_is_bitwise_the_module_path(llm: LLM, q_lens: list[int], num_computed: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    model = llm.engine.runner.model
+    kernel = model.model.layers[0].fused_form()[0]
+    calls = []
+    real = kernel.fused_layer
+    monkeypatch.setattr(kernel, "fused_layer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    g = torch.Generator().manual_seed(sum(q_lens))
+    ids = torch.randint(0, 320, (sum(q_lens),), generator=g)
+    table = torch.arange(1, 1 + 6 * len(q_lens)).view(len(q_lens), 6)  # 6 blocks each, distinct
+    fused_caches, module_caches = _caches(llm, 1), _caches(llm, 1)
+    got, got_aux = _forward(model, ids, fused_caches, q_lens, num_computed, table, fused=True)
+    assert calls == [sum(q_lens)] * model.num_layers  # every layer took the one call
+    want, want_aux = _forward(model, ids, module_caches, q_lens, num_computed, table, fused=False)
+    assert len(calls) == model.num_layers
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_aux, want_aux))
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, module_caches))  # the same KV writes
+
+
+def test_only_one_grid_batches_are_fused() -> None:
+    table = torch.arange(1, 13).view(3, 4)
+    uniform = build_attention_metadata(torch.tensor([2, 2, 2]), torch.tensor([5, 9, 0]), table, BLOCK)
+    block_table, visible, q = uniform.grid()
+    assert q == 2 and torch.equal(visible, torch.tensor([[6, 7], [10, 11], [1, 2]]))
+    lone = build_attention_metadata(torch.tensor([30]), torch.tensor([4]), table[:1], BLOCK)
+    block_table, visible, q = lone.grid()
+    assert q == 30 and torch.equal(visible[0], torch.arange(5, 35)) and block_table.shape == (1, 3)
+    mixed = build_attention_metadata(torch.tensor([30, 1]), torch.tensor([0, 7]), table[:2], BLOCK)
+    assert mixed.grid() is None
+    two_prompts = build_attention_metadata(torch.tensor([30, 20]), torch.tensor([0, 0]), table[:2], BLOCK)
+    assert two_prompts.grid() is None
+    padded = build_attention_metadata(torch.tensor([1, 1]), torch.tensor([3, 4]), table[:2], BLOCK, num_pad=2)
+    assert padded.grid() is None  # lockstep padding: the module path
+
+
+def test_mixed_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = llm.engine.runner.model
+    kernel = model.model.layers[0].fused_form()[0]
+    monkeypatch.setattr(kernel, "fused_layer", lambda *a: pytest.fail("a mixed batch has no single grid"))
+    table = torch.arange(1, 13).view(2, 6)
+    out, _ = _forward(model, torch.arange(31), _caches(llm, 2), [30, 1], [0, 7], table, fused=True)
+    assert out.shape == (31, 128)
+
+
+def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
+    layer = llm.engine.runner.model.model.layers[0]
+    kernel, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = layer.fused_form()
+    x = torch.randn(3, 128).bfloat16()
+    cos, sin = rotary.tables(torch.arange(3), torch.bfloat16, {})
+    cache = _caches(llm, 3)[0]
+    args = (cos, sin, cache, torch.arange(3), torch.ones(1, 1, dtype=torch.int64), torch.full((1, 3), 3), 3)
+    with pytest.raises(RuntimeError, match="qkv width disagrees with the heads"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, [heads[0] + 1, *heads[1:]], scale, pair_rows, *args)
+    with pytest.raises(RuntimeError, match="3 tokens are not whole requests of 2"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, *args[:-1], 2)
+    with pytest.raises(RuntimeError, match="linears are"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
+
+
+@pytest.mark.parametrize("num_seqs", [3, 6])
+def test_eagle_chain_drafts_and_writes_what_the_passes_do(num_seqs: int, tmp_path: Path) -> None:
+    """Passes 2..k in one C++ call against pass by pass: the same drafts at every step and the same
+    head KV cache at the end (6 concurrent requests: the steps with more than 4 drafting rows take the
+    passes; the chain serves the rest)."""
+    target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
+    head = make_eagle_head(target, tmp_path / "eagle", "eagle")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 40, 7, 3 * i + 1][: 3 + i % 3]} for i in range(num_seqs)]
+    # staggered lengths: with 6 requests the last steps have 4 or fewer drafting rows
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(num_seqs)]
+    runs = [_run_eagle(target, head, prompts, params, chain) for chain in (True, False)]
+    assert any(runs[0][3])
+    assert all(runs[0][3]) == (num_seqs <= 4)
+    (outs_a, drafts_a, kv_a, _), (outs_b, drafts_b, kv_b, _) = runs
+    assert outs_a == outs_b and drafts_a == drafts_b
+    assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
+
+
+def _run_eagle(target: Path, head: Path, prompts: list, params: list, chain: bool) -> tuple:
+    """(outputs, drafts per step, the head's KV caches, whether each step chained)."""
+    llm = LLM(str(target), dtype="bfloat16", max_num_seqs=len(prompts), enable_prefix_caching=False, num_kv_blocks=64,
+              speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+    proposer = llm.engine.runner.proposer
+    assert proposer.head.chain_form() is not None
+    drafts, used = [], []
+    real_propose, real_chains = proposer.propose, proposer._chains
+    proposer._chains = (lambda *a: used.append(real_chains(*a)) or used[-1]) if chain else (lambda *a: False)
+    proposer.propose = lambda batch: drafts.append(real_propose(batch)) or drafts[-1]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return outs, drafts, [c.clone() for c in proposer.kv_caches], used

@@ -142,9 +142,9 @@ class Eagle1Head(_HeadBase):
         return self.argmax(self.lm_head(hidden))
 
     def chain_form(self) -> tuple | None:
-        """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: passes 2..k in one
-        call) when this head can use it — one layer running wholly on the fused kernels, a bias-free
-        fc and a logits head small enough for ``pair_linear`` — else None. Resolved once."""
+        """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: several drafting passes
+        in one call) when this head can use it — one layer running wholly on the fused kernels, with
+        packed fc and logits head — else None. Resolved once."""
         if self._chain is False:
             self._chain = self._resolve_chain()
         return self._chain  # type: ignore[return-value]
@@ -157,33 +157,36 @@ class Eagle1Head(_HeadBase):
         logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
         if fused is None or fused[1] is not None:  # the first layer has no input norm
             return None
-        if not all(isinstance(x, PackedLinear) and x.pairs is not None for x in (self.fc, logits_head)):
+        if not all(isinstance(x, PackedLinear) for x in (self.fc, logits_head)):
             return None
         kernel, _, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = fused
-        if any(t.numel() == 0 for t in linears[2::3]):  # every linear of the layer on pair_linear
-            return None
         cos_table, sin_table = rotary.typed_tables(ln2.dtype)
         embed = self.embed_tokens.weight if self.embed_tokens is not None else target.model.embed_tokens.weight
-        return (kernel, embed, self.fc.pairs, self.fc.out_features, ln2, eps, linears, widths, heads, scale,  # type: ignore[union-attr]
-                pair_rows, cos_table, sin_table, logits_head.pairs, logits_head.out_features)  # type: ignore[union-attr]
+        none = torch.empty(0)
+        triplets = [[x.packed, x.bias if x.bias is not None else none, x.pairs if x.pairs is not None else none]
+                    for x in (self.fc, logits_head)]  # type: ignore[union-attr]
+        return (kernel, embed, *triplets, [self.fc.out_features, logits_head.out_features], ln2, eps, linears,  # type: ignore[union-attr]
+                widths, heads, scale, pair_rows, cos_table, sin_table)
 
     def draft_chain(
         self,
-        tokens: torch.Tensor,  # [n] draft 1 of each drafting request
-        feed: torch.Tensor,  # [n, H] pass 1's output rows
-        positions: torch.Tensor,  # [n] where draft 1 is fed
-        block_table: torch.Tensor,  # [n, W]
+        ids: torch.Tensor,  # [R * q] the token fed at each position of pass 1
+        feed: torch.Tensor,  # [R * q, H] the features fed with them
+        start: torch.Tensor,  # [R] int64: each request's first position in pass 1
+        q: int,
+        block_table: torch.Tensor,  # [R, W]
         block_size: int,
         passes: int,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:  # [n, passes - 1] drafts 2..passes
-        """Passes 2..`passes` in one C++ call (`chain_form` must be set): bitwise the drafts and KV
-        writes of running `forward` + `draft_token_ids` pass by pass."""
+    ) -> torch.Tensor:  # [R, passes] the drafts
+        """`passes` drafting passes in one C++ call (`chain_form` must be set): pass 1 over the
+        [R, q] grid (drafting from each request's last row), then one token per request per pass —
+        bitwise the drafts and KV writes of `forward` + `draft_token_ids` pass by pass."""
         chain = self.chain_form()
         assert chain is not None
-        kernel, embed, fc, fc_width, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, head, vocab = chain
-        return kernel.eagle_chain(tokens, feed, positions, block_table, block_size, passes, embed, fc, fc_width,
-                                  ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, kv_cache, head, vocab)
+        kernel, embed, fc, head, widths_fc, *layer, cos, sin = chain
+        return kernel.eagle_chain(ids, feed, start, q, block_table, block_size, passes, embed, fc, head, widths_fc,
+                                  *layer, cos, sin, kv_cache)
 
 
 class Eagle3Layer(nn.Module):

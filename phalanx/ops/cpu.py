@@ -937,45 +937,60 @@ std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch:
                     kv_cache, slots, block_table, visible, qlen);
 }
 
-// EAGLE-1 drafting passes 2..`passes` of a one-layer head whose parts all run on these kernels, in
-// one call: pass j feeds each request's draft j-1 at position `positions + j - 2` with the head's
-// previous output, and drafts token j — embed, cat, fc, the layer (`layer_impl`, no input norm), the
-// residual add, the logits head and the argmax, the same functions in the same order as the module
-// path (``spec_decode.proposer.draft_rest`` over ``models.eagle.Eagle1Head``), so the drafts and the
-// head's KV are bitwise the same. tokens [n] (draft 1), feed [n, H] (pass 1's output rows),
-// positions [n] (where draft 1 is fed), block_table [n, W]; cos / sin the rotary tables [P, D].
-// Returns the drafts 2..passes, [n, passes - 1].
-torch::Tensor eagle_chain(torch::Tensor tokens, torch::Tensor feed, torch::Tensor positions, torch::Tensor block_table,
-                          int64_t block_size, int64_t passes, torch::Tensor embed, torch::Tensor fc, int64_t fc_width,
-                          torch::Tensor ln2, double eps, std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
-                          std::vector<int64_t> heads, double scale, int64_t pair_rows, torch::Tensor cos_table,
-                          torch::Tensor sin_table, torch::Tensor kv_cache, torch::Tensor logits_head, int64_t vocab) {
+// EAGLE-1 drafting with a one-layer head in one call: `passes` forwards of embed, cat, fc, the layer
+// (`layer_impl`, no input norm), the residual add, the logits head and the argmax — the same
+// functions in the same order as the module path (``spec_decode.eagle.EagleProposer`` over
+// ``models.eagle.Eagle1Head``), so the drafts and the head's KV are bitwise the same.
+// Pass 0 runs the [R, qlen] grid of token ids `ids` [R * qlen] with features `feed` [R * qlen, H] at
+// positions start[r] .. start[r] + qlen - 1 and drafts from each request's last row; pass p >= 1 feeds
+// each request's previous draft with the head's previous output at position start[r] + qlen + p - 1.
+// fc and logits_head are (packed, bias, pairs) like a fused layer's linears; cos / sin the whole rotary
+// tables [P, D]. Returns the drafts [R, passes].
+torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor start, int64_t qlen,
+                          torch::Tensor block_table, int64_t block_size, int64_t passes, torch::Tensor embed,
+                          std::vector<torch::Tensor> fc, std::vector<torch::Tensor> logits_head,
+                          std::vector<int64_t> fc_vocab, torch::Tensor ln2, double eps,
+                          std::vector<torch::Tensor> linears, std::vector<int64_t> widths, std::vector<int64_t> heads,
+                          double scale, int64_t pair_rows, torch::Tensor cos_table, torch::Tensor sin_table,
+                          torch::Tensor kv_cache) {
   const auto w = layer_weights(c10::nullopt, ln2, eps, linears, widths, heads, scale, pair_rows);
-  TORCH_CHECK(tokens.size(0) <= pair_rows, "eagle_chain: at most ", pair_rows, " requests (pair_linear's rows)");
-  TORCH_CHECK(tokens.dim() == 1 && positions.sizes() == tokens.sizes() && block_table.dim() == 2 &&
-                  block_table.size(0) == tokens.size(0) && feed.dim() == 2 && feed.size(0) == tokens.size(0),
-              "eagle_chain: tokens / positions [n], feed [n, H], block_table [n, W]");
-  const int64_t n = tokens.size(0), width = block_table.size(1);
-  TORCH_CHECK(n > 0 && passes >= 2, "eagle_chain: needs requests and at least two passes");
+  TORCH_CHECK(fc.size() == 3 && logits_head.size() == 3 && fc_vocab.size() == 2,
+              "eagle_chain: fc and logits_head are (packed, bias, pairs), fc_vocab their out features");
+  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
+  const Linear fc_l{fc[0], opt(fc[1]), opt(fc[2]), fc_vocab[0]};
+  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), fc_vocab[1]};
+  const int64_t R = start.numel(), width = block_table.size(1);
+  TORCH_CHECK(R > 0 && qlen > 0 && passes >= 1, "eagle_chain: needs requests, a query length and a pass");
+  TORCH_CHECK(start.dim() == 1 && start.scalar_type() == torch::kInt64 && block_table.dim() == 2 &&
+                  block_table.size(0) == R && block_table.scalar_type() == torch::kInt64 && ids.dim() == 1 &&
+                  ids.size(0) == R * qlen && feed.dim() == 2 && feed.size(0) == R * qlen,
+              "eagle_chain: start [R] and block_table [R, W] int64, ids [R * qlen], feed [R * qlen, H]");
   block_table = block_table.contiguous();
+  start = start.contiguous();
   const int64_t* table = block_table.data_ptr<int64_t>();
-  auto drafts = torch::empty({n, passes - 1}, tokens.options());
-  for (int64_t j = 0; j + 1 < passes; ++j) {
-    auto pos = positions + j;  // [n]
+  const int64_t* first = start.data_ptr<int64_t>();
+  auto drafts = torch::empty({R, passes}, start.options());
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t q = p == 0 ? qlen : 1, shift = p == 0 ? 0 : qlen + p - 1;
+    auto pos = torch::empty({R * q}, start.options());
     auto slots = torch::empty_like(pos);
-    const int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t* pp = pos.data_ptr<int64_t>();
     int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(pp[i] >= 0 && pp[i] / block_size < width, "eagle_chain: position ", pp[i], " past the block table");
-      sp[i] = table[i * width + pp[i] / block_size] * block_size + pp[i] % block_size;
-    }
-    auto x = pair_linear(torch::cat({embed.index_select(0, tokens), feed}, 1), fc, fc_width);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < q; ++i) {
+        const int64_t at = first[r] + shift + i;
+        TORCH_CHECK(at >= 0 && at / block_size < width, "eagle_chain: position ", at, " outside the block table");
+        pp[r * q + i] = at;
+        sp[r * q + i] = table[r * width + at / block_size] * block_size + at % block_size;
+      }
+    auto x = apply(fc_l, torch::cat({embed.index_select(0, ids), feed}, 1), pair_rows);
     auto layer = layer_impl(w, x, c10::nullopt, cos_table.index_select(0, pos).unsqueeze(1),
                             sin_table.index_select(0, pos).unsqueeze(1), kv_cache, slots, block_table,
-                            (pos + 1).unsqueeze(1), 1);
+                            (pos + 1).view({R, q}), q);
     feed = layer[1] + layer[0];
-    tokens = argmax_rows(pair_linear(feed, logits_head, vocab));
-    drafts.select(1, j).copy_(tokens);
+    if (q > 1) feed = feed.index_select(0, torch::arange(q - 1, R * q, q, start.options()));  // last rows
+    ids = argmax_rows(apply(head_l, feed, pair_rows));
+    drafts.select(1, p).copy_(ids);
   }
   return drafts;
 }

@@ -18,7 +18,6 @@ import torch
 
 from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PAIR_MAX_ROWS
 from phalanx.models.eagle import Eagle1Head, Eagle3Head, load_eagle_head
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
@@ -67,14 +66,12 @@ class EagleProposer:
             hidden = torch.cat([hidden, hidden.new_zeros(p.num_pad, hidden.shape[1])])
         return self.head(p.input_ids, hidden, self.kv_caches, p.meta)
 
-    def _chains(self, batch: ProposeBatch, n: int, passes: int) -> bool:
-        """Passes 2..k go through the C++ chain (``Eagle1Head.draft_chain``): a one-layer EAGLE-1
-        head on the fused kernels, 1-4 drafting requests (the rows ``pair_linear`` serves), and no
-        lockstep padding (DP lockstep pads every pass to the voted size: the pass-by-pass path)."""
+    def _chains(self, batch: ProposeBatch) -> bool:
+        """Drafting passes go through the C++ chain (``Eagle1Head.draft_chain``, bitwise the
+        pass-by-pass path): a one-layer EAGLE-1 head on the fused kernels and no lockstep padding
+        (DP lockstep pads every pass to the voted size: the pass-by-pass path)."""
         return (
             batch.pass_sizes is None
-            and 0 < n <= PAIR_MAX_ROWS
-            and passes > 1
             and isinstance(self.head, Eagle1Head)
             and self.head.chain_form() is not None
             and cpu_ops.kernel_for(self.head.config.dtype) is not None
@@ -106,6 +103,20 @@ class EagleProposer:
             features = self.head.fuse([a[index] for a in batch.target_aux])
         else:
             features = batch.target_hidden[index]
+        chains = self._chains(batch)
+        q = len(feeds[0][1]) if feeds else 0
+        if chains and len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds):
+            # Every fed request drafts and feeds the same number of positions: all k passes are one
+            # [R, q] grid then one token per request each, in one C++ call.
+            assert isinstance(self.head, Eagle1Head)
+            rows = [f[0] for f in feeds]
+            ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
+            start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
+            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+            out = self.head.draft_chain(ids, features, start, q, table, self.block_size, passes, self.kv_caches[0])
+            for row, toks in zip(rows, out.tolist()):
+                drafts[row].extend(toks)
+            return drafts
         # Pass 1: the verified positions with the target's features; drafts token 1.
         p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
@@ -118,10 +129,10 @@ class EagleProposer:
         positions = torch.tensor([feeds[f][2] + len(feeds[f][1]) for f in drafting], dtype=torch.int64)
 
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
-        if self._chains(batch, n, passes):  # all of them in one C++ call, bitwise the same
+        if chains and n and passes > 1:  # all of them in one C++ call
             assert isinstance(self.head, Eagle1Head)
             table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-            rest = self.head.draft_chain(tokens, feed, positions, table, self.block_size, passes, self.kv_caches[0])
+            rest = self.head.draft_chain(tokens, feed, positions, 1, table, self.block_size, passes - 1, self.kv_caches[0])
             for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
                 drafts[row].extend(toks)
             return drafts

@@ -19,11 +19,13 @@ data-parallel ranks in lockstep run the drafter together (DESIGN §5 rule 3).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from phalanx.attention.metadata import AttentionMetadata, build_attention_metadata
@@ -116,16 +118,15 @@ def drafter_pass(
     block_size: int,
     pad_to: int | None,
 ) -> DrafterPass:
-    q_lens = torch.tensor([len(f[1]) for f in feeds], dtype=torch.int64)
-    starts = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
-    rows = torch.tensor([f[0] for f in feeds], dtype=torch.int64)
-    num_real = int(q_lens.sum())
+    q_lens = [len(f[1]) for f in feeds]
+    num_real = sum(q_lens)
     num_pad = 0 if pad_to is None else pad_to - num_real
     if num_pad < 0:
         raise RuntimeError(f"drafter pass has {num_real} tokens, more than the agreed {pad_to}")
-    meta = build_attention_metadata(q_lens, starts, block_table[rows], block_size, num_pad)
+    table = block_table.numpy()[[f[0] for f in feeds]]
+    meta = build_attention_metadata(q_lens, [f[2] for f in feeds], table, block_size, num_pad)
     ids = [t for f in feeds for t in f[1]] + [0] * num_pad
-    last_rows = (torch.cumsum(q_lens, 0) - 1).tolist()
+    last_rows = list(itertools.accumulate(q_lens, initial=-1))[1:]
     return DrafterPass(torch.tensor(ids, dtype=torch.int64), meta, last_rows, num_pad)
 
 
@@ -142,7 +143,7 @@ def one_token_pass(
     num_pad = 0 if pad_to is None else pad_to - n
     if num_pad < 0:
         raise RuntimeError(f"drafter pass has {n} tokens, more than the agreed {pad_to}")
-    meta = build_attention_metadata(torch.ones(n, dtype=torch.int64), positions, block_table, block_size, num_pad)
+    meta = build_attention_metadata(np.ones(n, dtype=np.int64), positions, block_table, block_size, num_pad)
     ids = torch.cat([tokens, tokens.new_zeros(num_pad)]) if num_pad else tokens
     return DrafterPass(ids, meta, list(range(n)), num_pad)
 

@@ -16,6 +16,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from phalanx.attention.metadata import build_attention_metadata
@@ -181,7 +182,7 @@ class ModelRunner:
         q_lens: list[int] = []
         num_computed: list[int] = []
         max_blocks = max((len(self.requests[r].block_ids) for r in req_ids), default=1)
-        block_table = torch.zeros(len(req_ids), max_blocks, dtype=torch.int64)
+        block_table_np = np.zeros((len(req_ids), max_blocks), dtype=np.int64)
         sampling: list[int] = []  # batch indices of requests that produce tokens this step
         drafts_of: list[list[int]] = []
         logit_rows: list[int] = []  # flat token index of every row to compute logits for
@@ -197,7 +198,7 @@ class ModelRunner:
             input_ids.extend(drafts)
             q_lens.append(n)
             num_computed.append(nc)
-            block_table[i, : len(st.block_ids)] = torch.tensor(st.block_ids, dtype=torch.int64)
+            block_table_np[i, : len(st.block_ids)] = st.block_ids
             if st.sampling_params.prompt_logprobs is not None and nc < st.num_prompt_tokens - 1:
                 count = min(real_end, len(st.prompt_token_ids) - 1) - nc
                 prompt_lp_reqs.append((i, nc, count))
@@ -213,13 +214,8 @@ class ModelRunner:
         num_pad = 0 if plan is None else plan.num_tokens - len(input_ids)
         if num_pad < 0:
             raise RuntimeError(f"batch of {len(input_ids)} tokens exceeds the agreed {plan.num_tokens}")
-        meta = build_attention_metadata(
-            torch.tensor(q_lens, dtype=torch.int64),
-            torch.tensor(num_computed, dtype=torch.int64),
-            block_table,
-            self.block_size,
-            num_pad,
-        )
+        block_table = torch.from_numpy(block_table_np)
+        meta = build_attention_metadata(q_lens, num_computed, block_table_np, self.block_size, num_pad)
         input_ids.extend([0] * num_pad)
         t0 = time.perf_counter()
         self._pass_sizes = plan.draft_pass_sizes if plan is not None else None
@@ -338,22 +334,22 @@ class ModelRunner:
     ) -> None:
         """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
-        targets = self._argmax(self._logits(hidden, float32=False))  # [rows]
-        num_drafts = torch.tensor([len(d) for d in drafts_of], dtype=torch.int64)  # [B]
+        targets = self._argmax(self._logits(hidden, float32=False)).numpy()  # [rows]
+        num_drafts = np.array([len(d) for d in drafts_of], dtype=np.int64)  # [B]
         k = int(num_drafts.max())
-        # Accepted prefix length per request, vectorised over the batch:
+        # Accepted prefix length per request, vectorised over the batch (numpy: a dozen tiny ops):
         # rows of request b are [start_b, start_b + k_b]; draft j is accepted iff drafts 0..j all
         # equal the target argmax at their row.
-        starts = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)  # [B]
+        starts = np.cumsum(num_drafts + 1) - (num_drafts + 1)  # [B]
         if k:
-            cols = torch.arange(k)
+            cols = np.arange(k)
             valid = cols[None, :] < num_drafts[:, None]  # [B, k]
-            rows = (starts[:, None] + cols[None, :]).clamp(max=targets.shape[0] - 1)
-            drafts = torch.tensor([d + [-1] * (k - len(d)) for d in drafts_of], dtype=torch.int64)
+            rows = np.minimum(starts[:, None] + cols[None, :], targets.shape[0] - 1)
+            drafts = np.array([d + [-1] * (k - len(d)) for d in drafts_of], dtype=np.int64)
             match = (drafts == targets[rows]) & valid
-            accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)  # [B]
+            accepted = np.cumprod(match, axis=1).sum(axis=1)  # [B]
         else:
-            accepted = torch.zeros_like(num_drafts)
+            accepted = np.zeros_like(num_drafts)
         final = targets[starts + accepted].tolist()  # the recovered / bonus token per request
         for i, st, drafts_b, a, tok in zip(sampling, states, drafts_of, accepted.tolist(), final):
             tokens = drafts_b[:a] + [tok]

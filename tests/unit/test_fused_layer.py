@@ -123,33 +123,43 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
         kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
 
 
-@pytest.mark.parametrize("num_seqs", [3, 6])
-def test_eagle_chain_drafts_and_writes_what_the_passes_do(num_seqs: int, tmp_path: Path) -> None:
-    """Passes 2..k in one C++ call against pass by pass: the same drafts at every step and the same
-    head KV cache at the end (6 concurrent requests: the steps with more than 4 drafting rows take the
-    passes; the chain serves the rest)."""
+@pytest.mark.parametrize("num_seqs,same_length", [(1, True), (3, True), (6, False)])
+def test_eagle_chain_drafts_and_writes_what_the_passes_do(num_seqs: int, same_length: bool, tmp_path: Path) -> None:
+    """The C++ drafting chain against pass by pass: the same drafts at every step and the same head
+    KV cache at the end. Requests feeding the same number of positions run all k passes in one call
+    (pass 1 over the [R, q] grid, prompts included); otherwise pass 1 runs in Python and passes 2..k
+    in one call."""
     target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
     head = make_eagle_head(target, tmp_path / "eagle", "eagle")
-    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 40, 7, 3 * i + 1][: 3 + i % 3]} for i in range(num_seqs)]
-    # staggered lengths: with 6 requests the last steps have 4 or fewer drafting rows
+    lens = [5] * num_seqs if same_length else [3 + i % 3 for i in range(num_seqs)]
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 40, 7, 3 * i + 1][: lens[i]]} for i in range(num_seqs)]
+    # staggered lengths: requests finish at different steps, so batches change shape
     params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(num_seqs)]
     runs = [_run_eagle(target, head, prompts, params, chain) for chain in (True, False)]
-    assert any(runs[0][3])
-    assert all(runs[0][3]) == (num_seqs <= 4)
-    (outs_a, drafts_a, kv_a, _), (outs_b, drafts_b, kv_b, _) = runs
+    (outs_a, drafts_a, kv_a, (grids, python_passes)), (outs_b, drafts_b, kv_b, (no_grids, _)) = runs
+    if same_length:
+        assert any(q > 1 for q in grids) and python_passes == 0  # every step one call, prompts included
+    else:
+        assert python_passes > 0 and grids  # the prompts' step: pass 1 in Python, then the chain
+    assert no_grids == []
     assert outs_a == outs_b and drafts_a == drafts_b
     assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
 
 
 def _run_eagle(target: Path, head: Path, prompts: list, params: list, chain: bool) -> tuple:
-    """(outputs, drafts per step, the head's KV caches, whether each step chained)."""
+    """(outputs, drafts per step, the head's KV caches, (the grid width q of each chain call, the
+    drafter passes run in Python))."""
     llm = LLM(str(target), dtype="bfloat16", max_num_seqs=len(prompts), enable_prefix_caching=False, num_kv_blocks=64,
               speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
     assert proposer.head.chain_form() is not None
-    drafts, used = [], []
-    real_propose, real_chains = proposer.propose, proposer._chains
-    proposer._chains = (lambda *a: used.append(real_chains(*a)) or used[-1]) if chain else (lambda *a: False)
+    drafts, grids, passes = [], [], []
+    real_propose, real_chain, real_run = proposer.propose, proposer.head.draft_chain, proposer._run
+    proposer._run = lambda *a: passes.append(1) or real_run(*a)
+    if chain:
+        proposer.head.draft_chain = lambda *a: grids.append(a[3]) or real_chain(*a)
+    else:
+        proposer._chains = lambda batch: False
     proposer.propose = lambda batch: drafts.append(real_propose(batch)) or drafts[-1]
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    return outs, drafts, [c.clone() for c in proposer.kv_caches], used
+    return outs, drafts, [c.clone() for c in proposer.kv_caches], (grids, len(passes))

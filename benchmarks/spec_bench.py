@@ -1,6 +1,7 @@
 """Speculative decoding on the demo model: output tokens/s with and without each method at
-concurrency 1 and 16 (offline `LLM`, greedy chat requests from the held-out math split), with the
-mean acceptance length. Prints a markdown table; asserts nothing.
+concurrency 1 and 16 (offline `LLM`, greedy chat requests from the held-out math split), the mean
+time per output token after the first (TPOT: the decode phase alone) and the mean acceptance
+length. Prints a markdown table; asserts nothing.
 
     python benchmarks/spec_bench.py [--threads 2] [--num-prompts 64] [--max-tokens 128]
 """
@@ -26,21 +27,27 @@ METHODS = {
 }
 
 
-def run(method: str, concurrency: int, chats: list, max_tokens: int) -> tuple[float, float | None]:
+def run(method: str, concurrency: int, chats: list, max_tokens: int) -> tuple[float, float, float | None]:
+    """(output tok/s over the whole run, mean TPOT in ms, mean acceptance length). TPOT of a request:
+    (last token time - first token time) / (tokens - 1), from RequestOutput.metrics: the decode
+    phase alone, without the prompt's prefill and the request's set-up."""
     llm = LLM("phalanx-math", speculative_config=METHODS[method], max_num_seqs=concurrency)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.chat(chats[:2], params, use_tqdm=False)  # warm-up
     before = llm.get_metrics()
     t = time.perf_counter()
     n = 0
+    tpots = []
     for i in range(0, len(chats), concurrency):
         outs = llm.chat(chats[i : i + concurrency], params, use_tqdm=False)
         n += sum(len(o.outputs[0].token_ids) for o in outs)
+        tpots += [(o.metrics["last_token_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+                  for o in outs if len(o.outputs[0].token_ids) > 1]
     dt = time.perf_counter() - t
     after = llm.get_metrics()
     drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
     accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
-    return n / dt, (1 + accepted / drafts) if drafts else None
+    return n / dt, 1e3 * sum(tpots) / len(tpots), (1 + accepted / drafts) if drafts else None
 
 
 def main() -> None:
@@ -59,12 +66,14 @@ def main() -> None:
         c16 = run(method, 16, chats, args.max_tokens)
         results[method] = (c1, c16)
         print(method, c1, c16, flush=True)
-    base1, base16 = results["none"][0][0], results["none"][1][0]
-    print("\n| method (k = 3) | tok/s c = 1 | speed-up | tok/s c = 16 | speed-up | acceptance length (c=1 / c=16) |")
-    print("|---|---|---|---|---|---|")
-    for method, ((t1, a1), (t16, a16)) in results.items():
+    (base1, tpot1, _), (base16, tpot16, _) = results["none"]
+    print("\n| method (k = 3) | tok/s c = 1 | speed-up | TPOT c = 1 (ms) | TPOT speed-up | tok/s c = 16 | speed-up "
+          "| TPOT c = 16 (ms) | TPOT speed-up | acceptance length (c=1 / c=16) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for method, ((t1, p1, a1), (t16, p16, a16)) in results.items():
         acc = "–" if a1 is None else f"{a1:.2f} / {a16:.2f}"
-        print(f"| {method} | {t1:.1f} | {t1 / base1:.2f}× | {t16:.1f} | {t16 / base16:.2f}× | {acc} |")
+        print(f"| {method} | {t1:.1f} | {t1 / base1:.2f}× | {p1:.3f} | {tpot1 / p1:.2f}× | {t16:.1f} | {t16 / base16:.2f}× "
+              f"| {p16:.3f} | {tpot16 / p16:.2f}× | {acc} |")
 
 
 if __name__ == "__main__":

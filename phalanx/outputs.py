@@ -51,4 +51,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    # Wall-clock times (time.time(), as vLLM's RequestMetrics) of the request's arrival, its first and
+    # its latest output token, and its finish: "arrival_time", "first_token_time", "last_token_time",
+    # "finished_time" (each present once it happened).
     metrics: dict[str, float] = field(default_factory=dict)

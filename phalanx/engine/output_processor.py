@@ -13,6 +13,7 @@ seeded parent gives child i the seed `seed + i`, as vLLM does, so samples differ
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,8 @@ class _Parent:
     children: list[_Child]
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    # wall-clock times (time.time()), as vLLM's RequestMetrics: arrival, first / last token, finish
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,7 @@ class _Parent:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=dict(self.metrics),
         )
 
 
@@ -130,7 +134,7 @@ class OutputProcessor:
                 child.cumulative_logprob = 0.0
             children.append(child)
             engine_reqs.append((child_request_id(request_id, i, params.n), p))
-        parent = _Parent(request_id, prompt, list(prompt_token_ids), children)
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), children, metrics={"arrival_time": time.time()})
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = []
         self._parents[request_id] = parent
@@ -158,6 +162,7 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         changed: dict[str, _Parent] = {}
         abort_ids: list[str] = []
+        now = time.time()
         for out in outputs:
             entry = self._child_to_parent.get(out.req_id)
             if entry is None:
@@ -165,6 +170,9 @@ class OutputProcessor:
             parent, child = entry
             if child.finish_reason is not None:
                 continue
+            if out.new_token_ids:
+                parent.metrics.setdefault("first_token_time", now)
+                parent.metrics["last_token_time"] = now
             if self._apply(parent, child, out):
                 abort_ids.append(out.req_id)
             changed[parent.request_id] = parent
@@ -172,9 +180,10 @@ class OutputProcessor:
                 del self._child_to_parent[out.req_id]
         results = []
         for parent in changed.values():
-            results.append(parent.output())
             if parent.finished:
+                parent.metrics["finished_time"] = now
                 del self._parents[parent.request_id]
+            results.append(parent.output())
         return ProcessedOutputs(results, abort_ids)
 
     def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:

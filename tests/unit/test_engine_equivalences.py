@@ -164,3 +164,20 @@ def test_eos_finishes_with_stop_and_no_stop_reason(model_dir: Path) -> None:
             if o.finish_reason:
                 finish = (o.finish_reason, o.stop_reason, o.new_token_ids)
     assert finish == ("stop", None, [first])
+
+
+def test_request_metrics_time_the_request(model_dir: Path) -> None:
+    """RequestOutput.metrics (vLLM's RequestMetrics times): arrival <= first token <= last token <=
+    finish for every request; a request with one output token has first == last."""
+    import time
+
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=2)
+    t0 = time.time()
+    outs = llm.generate(_prompts([5, 30, 17]), [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                                                for m in (1, 8, 12)], use_tqdm=False)
+    t1 = time.time()
+    for o in outs:
+        m = o.metrics
+        assert t0 <= m["arrival_time"] <= m["first_token_time"] <= m["last_token_time"] <= m["finished_time"] <= t1
+    assert outs[0].metrics["first_token_time"] == outs[0].metrics["last_token_time"]
+    assert outs[1].metrics["last_token_time"] > outs[1].metrics["first_token_time"]

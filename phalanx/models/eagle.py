@@ -33,7 +33,7 @@ from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_support
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
-from phalanx.models.llama import Attention, CausalLM, DecoderLayer, _copy_shard, map_hf_name
+from phalanx.models.llama import Attention, CausalLM, DecoderLayer, _copy_shard, fused_parts, map_hf_name
 from phalanx.models.loader import iterate_weights
 from phalanx.ops import cpu as cpu_ops
 
@@ -63,6 +63,7 @@ class _HeadBase(nn.Module):
         )
         self.embed_tokens: nn.Embedding | None = None  # own embedding only if the checkpoint has one
         self.argmax = cpu_ops.argmax_fn(cfg.dtype)  # over [N, V] logits, in the head's dtype
+        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -103,6 +104,54 @@ class _HeadBase(nn.Module):
     def _own_lm_head(self, tensor: torch.Tensor) -> None:
         self.lm_head = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=self.config.dtype)
 
+    def chain_form(self) -> tuple | None:
+        """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: several drafting passes
+        in one call) when this head can use it — one layer running wholly on the fused kernels, with
+        packed fc and logits head — else None. Resolved once."""
+        if self._chain is False:
+            self._chain = self._resolve_chain() if len(self.layers) == 1 else None
+        return self._chain  # type: ignore[return-value]
+
+    def _resolve_chain(self) -> tuple | None:
+        raise NotImplementedError
+
+    def _chain_args(self, parts: tuple | None, fc: nn.Module | None, logits_head: nn.Module | None,
+                    eagle3: list[torch.Tensor]) -> tuple | None:
+        if parts is None or not all(isinstance(x, PackedLinear) for x in (fc, logits_head) if x is not None):
+            return None
+        kernel, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = parts
+        cos_table, sin_table = rotary.typed_tables(ln2.dtype)
+        embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target[0].model.embed_tokens.weight
+        none = torch.empty(0)
+
+        def triplet(x: PackedLinear) -> list[torch.Tensor]:
+            return [x.packed, none if x.bias is None else x.bias, none if x.pairs is None else x.pairs]
+
+        fc_args = [] if fc is None else triplet(fc)  # type: ignore[arg-type]
+        head_args = triplet(logits_head)  # type: ignore[arg-type]
+        widths_fc = [0 if fc is None else fc.out_features, logits_head.out_features]  # type: ignore[union-attr]
+        return (kernel, embed, fc_args, head_args, widths_fc, eagle3, ln2, eps, linears, widths, heads, scale,
+                pair_rows, cos_table, sin_table)
+
+    def draft_chain(
+        self,
+        ids: torch.Tensor,  # [R * q] the token fed at each position of pass 1
+        feed: torch.Tensor,  # [R * q, H] the features fed with them (EAGLE-3: already fused by fc)
+        start: torch.Tensor,  # [R] int64: each request's first position in pass 1
+        q: int,
+        block_table: torch.Tensor,  # [R, W]
+        block_size: int,
+        passes: int,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [R, passes] the drafts (target token ids)
+        """`passes` drafting passes in one C++ call (`chain_form` must be set): pass 1 over the
+        [R, q] grid (drafting from each request's last row), then one token per request per pass —
+        bitwise the drafts and KV writes of `forward` + `draft_token_ids` pass by pass."""
+        chain = self.chain_form()
+        assert chain is not None
+        kernel, *args, cos, sin = chain
+        return kernel.eagle_chain(ids, feed, start, q, block_table, block_size, passes, *args, cos, sin, kv_cache)
+
 
 def _more_layers(cfg: ModelConfig, rotary: RotaryEmbedding) -> list[nn.Module]:
     """Layers 1.. of a multi-layer head: plain pre-norm decoder layers (vLLM's layout)."""
@@ -122,7 +171,6 @@ class Eagle1Head(_HeadBase):
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.layers = nn.ModuleList([layer] + _more_layers(cfg, self.rotary))
         self.lm_head: nn.Module | None = None
-        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
 
     def forward(
         self,
@@ -141,53 +189,13 @@ class Eagle1Head(_HeadBase):
             return self.argmax(self.target[0].compute_logits(hidden, float32=False))
         return self.argmax(self.lm_head(hidden))
 
-    def chain_form(self) -> tuple | None:
-        """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: several drafting passes
-        in one call) when this head can use it — one layer running wholly on the fused kernels, with
-        packed fc and logits head — else None. Resolved once."""
-        if self._chain is False:
-            self._chain = self._resolve_chain()
-        return self._chain  # type: ignore[return-value]
-
     def _resolve_chain(self) -> tuple | None:
-        if len(self.layers) != 1:
-            return None
         fused = self.layers[0].fused_form()
-        target = self.target[0]
-        logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
         if fused is None or fused[1] is not None:  # the first layer has no input norm
             return None
-        if not all(isinstance(x, PackedLinear) for x in (self.fc, logits_head)):
-            return None
-        kernel, _, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = fused
-        cos_table, sin_table = rotary.typed_tables(ln2.dtype)
-        embed = self.embed_tokens.weight if self.embed_tokens is not None else target.model.embed_tokens.weight
-        none = torch.empty(0)
-        triplets = [[x.packed, x.bias if x.bias is not None else none, x.pairs if x.pairs is not None else none]
-                    for x in (self.fc, logits_head)]  # type: ignore[union-attr]
-        return (kernel, embed, *triplets, [self.fc.out_features, logits_head.out_features], ln2, eps, linears,  # type: ignore[union-attr]
-                widths, heads, scale, pair_rows, cos_table, sin_table)
-
-    def draft_chain(
-        self,
-        ids: torch.Tensor,  # [R * q] the token fed at each position of pass 1
-        feed: torch.Tensor,  # [R * q, H] the features fed with them
-        start: torch.Tensor,  # [R] int64: each request's first position in pass 1
-        q: int,
-        block_table: torch.Tensor,  # [R, W]
-        block_size: int,
-        passes: int,
-        kv_cache: torch.Tensor,
-    ) -> torch.Tensor:  # [R, passes] the drafts
-        """`passes` drafting passes in one C++ call (`chain_form` must be set): pass 1 over the
-        [R, q] grid (drafting from each request's last row), then one token per request per pass —
-        bitwise the drafts and KV writes of `forward` + `draft_token_ids` pass by pass."""
-        chain = self.chain_form()
-        assert chain is not None
-        kernel, embed, fc, head, widths_fc, *layer, cos, sin = chain
-        return kernel.eagle_chain(ids, feed, start, q, block_table, block_size, passes, embed, fc, head, widths_fc,
-                                  *layer, cos, sin, kv_cache)
-
+        target = self.target[0]
+        logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
+        return self._chain_args((fused[0], *fused[2:]), self.fc, logits_head, [])
 
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
@@ -248,6 +256,14 @@ class Eagle3Head(_HeadBase):
     def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] normed -> [N] target ids
         draft_ids = self.argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
+
+    def _resolve_chain(self) -> tuple | None:
+        layer = self.layers[0]
+        norms = (layer.input_layernorm, layer.hidden_norm, self.norm)
+        if any(n.kernel is None or n.eps != layer.post_attention_layernorm.eps for n in norms):
+            return None
+        parts = fused_parts(layer.self_attn, layer.mlp, layer.post_attention_layernorm)
+        return self._chain_args(parts, None, self.lm_head, [*(n.weight for n in norms), self.d2t])
 
 
 def load_eagle_head(folder: str, method: str, target: CausalLM) -> Eagle1Head | Eagle3Head:

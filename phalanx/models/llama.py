@@ -118,15 +118,26 @@ class DecoderLayer(nn.Module):
 
 
 def _fused_form(layer: DecoderLayer) -> tuple | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    if not all(isinstance(x, PackedLinear) for x in linears):
-        return None
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    ln1 = layer.input_layernorm
     if isinstance(ln1, RMSNorm):
-        if ln1.kernel is None or ln1.eps != ln2.eps:
+        if ln1.kernel is None or ln1.eps != layer.post_attention_layernorm.eps:
             return None
     elif not isinstance(ln1, nn.Identity):
+        return None
+    parts = fused_parts(layer.self_attn, layer.mlp, layer.post_attention_layernorm)
+    if parts is None:
+        return None
+    kernel, *rest = parts
+    return (kernel, ln1.weight if isinstance(ln1, RMSNorm) else None, *rest)
+
+
+def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> tuple | None:
+    """(kernel, post-attention norm weight, eps, linears, widths, heads, scale, pair rows, rotary):
+    the arguments of the C++ layer from its attention on (``ops.cpu``'s `attn_mlp`) when every part
+    runs on the kernels it chains — packed linears, fused norm, rotary and SiLU-and-multiply, no q/k
+    norm, a dense MLP — else None."""
+    linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    if not all(isinstance(x, PackedLinear) for x in linears):
         return None
     if not (ln2.kernel is not None and isinstance(mlp, GatedMLP) and mlp.kernel is not None
             and attn.rotary.kernel is not None and attn.q_norm is None and hasattr(mlp.kernel, "fused_layer")):
@@ -135,7 +146,6 @@ def _fused_form(layer: DecoderLayer) -> tuple | None:
     tensors = [t if t is not None else none for x in linears for t in (x.packed, x.bias, x.pairs)]  # type: ignore[union-attr]
     return (
         mlp.kernel,
-        ln1.weight if isinstance(ln1, RMSNorm) else None,
         ln2.weight,
         ln2.eps,
         tensors,

@@ -900,21 +900,13 @@ LayerWeights layer_weights(c10::optional<torch::Tensor> ln1, torch::Tensor ln2, 
   return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], pair_rows, eps, scale};
 }
 
-std::vector<torch::Tensor> layer_impl(const LayerWeights& w, torch::Tensor delta, c10::optional<torch::Tensor> residual,
-                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
-                                      torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
-  const int64_t H = w.H, KVH = w.KVH, D = w.D, T = delta.size(0);
+// The layer from its attention input `x_in` and the residual stream `res` on: returns (the MLP's
+// output, the residual stream before it).
+std::vector<torch::Tensor> attn_mlp(const LayerWeights& w, torch::Tensor x_in, torch::Tensor res, torch::Tensor cos,
+                                    torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
+                                    torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+  const int64_t H = w.H, KVH = w.KVH, D = w.D, T = x_in.size(0);
   TORCH_CHECK(qlen > 0 && T % qlen == 0, "fused layer: ", T, " tokens are not whole requests of ", qlen);
-  torch::Tensor x_in, res;
-  if (residual.has_value()) {
-    TORCH_CHECK(w.ln1.has_value(), "fused layer: a residual needs the input norm");
-    auto r = rms_norm_impl(delta, residual, *w.ln1, w.eps);
-    x_in = r[0];
-    res = r[1];
-  } else {
-    x_in = w.ln1.has_value() ? rms_norm_impl(delta, c10::nullopt, *w.ln1, w.eps)[0] : delta.contiguous();
-    res = delta;
-  }
   auto qkv = apply(w.qkv, x_in, w.pair_rows);  // [T, (H + 2 KVH) D]
   auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
   auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
@@ -927,6 +919,20 @@ std::vector<torch::Tensor> layer_impl(const LayerWeights& w, torch::Tensor delta
   return {apply(w.down, act, w.pair_rows), post[1]};
 }
 
+// A decoder layer: the input norm (none without ln1; with `residual`, the residual add fused into
+// it), then `attn_mlp`.
+std::vector<torch::Tensor> layer_impl(const LayerWeights& w, torch::Tensor delta, c10::optional<torch::Tensor> residual,
+                                      torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
+                                      torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+  if (residual.has_value()) {
+    TORCH_CHECK(w.ln1.has_value(), "fused layer: a residual needs the input norm");
+    auto r = rms_norm_impl(delta, residual, *w.ln1, w.eps);
+    return attn_mlp(w, r[0], r[1], cos, sin, kv_cache, slots, block_table, visible, qlen);
+  }
+  auto x_in = w.ln1.has_value() ? rms_norm_impl(delta, c10::nullopt, *w.ln1, w.eps)[0] : delta.contiguous();
+  return attn_mlp(w, x_in, delta, cos, sin, kv_cache, slots, block_table, visible, qlen);
+}
+
 std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch::Tensor> residual,
                                        c10::optional<torch::Tensor> ln1, torch::Tensor ln2, double eps,
                                        std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
@@ -937,28 +943,35 @@ std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch:
                     kv_cache, slots, block_table, visible, qlen);
 }
 
-// EAGLE-1 drafting with a one-layer head in one call: `passes` forwards of embed, cat, fc, the layer
-// (`layer_impl`, no input norm), the residual add, the logits head and the argmax — the same
-// functions in the same order as the module path (``spec_decode.eagle.EagleProposer`` over
-// ``models.eagle.Eagle1Head``), so the drafts and the head's KV are bitwise the same.
-// Pass 0 runs the [R, qlen] grid of token ids `ids` [R * qlen] with features `feed` [R * qlen, H] at
-// positions start[r] .. start[r] + qlen - 1 and drafts from each request's last row; pass p >= 1 feeds
-// each request's previous draft with the head's previous output at position start[r] + qlen + p - 1.
-// fc and logits_head are (packed, bias, pairs) like a fused layer's linears; cos / sin the whole rotary
-// tables [P, D]. Returns the drafts [R, passes].
+// EAGLE drafting with a one-layer head in one call: `passes` forwards of the head, its logits and
+// the argmax — the same functions in the same order as the module path (``spec_decode.eagle`` over
+// ``models.eagle``), so the drafts and the head's KV are bitwise the same.
+//   EAGLE-1 (`eagle3` empty): x = fc([embed(ids); feed]), the layer without input norm, out = res +
+//     mlp, logits = head(out); out is fed back.
+//   EAGLE-3 (`eagle3` = input_layernorm, hidden_norm, norm weights and d2t): x = [norm_in(embed(ids));
+//     norm_hidden(feed)] with `feed` as the residual, pre = res + mlp, logits = head(norm(pre)) over
+//     the draft vocabulary, token = argmax + d2t[argmax]; pre is fed back (pass 1's `feed` is the
+//     fc-fused target features, computed before).
+// Pass 0 runs the [R, qlen] grid of token ids `ids` [R * qlen] with `feed` [R * qlen, H] at positions
+// start[r] .. start[r] + qlen - 1 and drafts from each request's last row; pass p >= 1 feeds each
+// request's previous draft with the head's previous output at position start[r] + qlen + p - 1.
+// fc (EAGLE-1) and logits_head are (packed, bias, pairs) like a fused layer's linears, out_features
+// their widths; cos / sin the whole rotary tables [P, D]. Returns the drafts [R, passes].
 torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor start, int64_t qlen,
                           torch::Tensor block_table, int64_t block_size, int64_t passes, torch::Tensor embed,
                           std::vector<torch::Tensor> fc, std::vector<torch::Tensor> logits_head,
-                          std::vector<int64_t> fc_vocab, torch::Tensor ln2, double eps,
-                          std::vector<torch::Tensor> linears, std::vector<int64_t> widths, std::vector<int64_t> heads,
-                          double scale, int64_t pair_rows, torch::Tensor cos_table, torch::Tensor sin_table,
-                          torch::Tensor kv_cache) {
+                          std::vector<int64_t> out_features, std::vector<torch::Tensor> eagle3, torch::Tensor ln2,
+                          double eps, std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
+                          std::vector<int64_t> heads, double scale, int64_t pair_rows, torch::Tensor cos_table,
+                          torch::Tensor sin_table, torch::Tensor kv_cache) {
   const auto w = layer_weights(c10::nullopt, ln2, eps, linears, widths, heads, scale, pair_rows);
-  TORCH_CHECK(fc.size() == 3 && logits_head.size() == 3 && fc_vocab.size() == 2,
-              "eagle_chain: fc and logits_head are (packed, bias, pairs), fc_vocab their out features");
+  const bool is3 = !eagle3.empty();
+  TORCH_CHECK(logits_head.size() == 3 && out_features.size() == 2 && (is3 ? eagle3.size() == 4 && fc.empty() : fc.size() == 3),
+              "eagle_chain: logits_head (and EAGLE-1's fc) are (packed, bias, pairs), out_features their widths; "
+              "EAGLE-3 passes [input_layernorm, hidden_norm, norm, d2t] and no fc");
   auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
-  const Linear fc_l{fc[0], opt(fc[1]), opt(fc[2]), fc_vocab[0]};
-  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), fc_vocab[1]};
+  const Linear fc_l = is3 ? Linear{} : Linear{fc[0], opt(fc[1]), opt(fc[2]), out_features[0]};
+  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), out_features[1]};
   const int64_t R = start.numel(), width = block_table.size(1);
   TORCH_CHECK(R > 0 && qlen > 0 && passes >= 1, "eagle_chain: needs requests, a query length and a pass");
   TORCH_CHECK(start.dim() == 1 && start.scalar_type() == torch::kInt64 && block_table.dim() == 2 &&
@@ -983,13 +996,23 @@ torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor s
         pp[r * q + i] = at;
         sp[r * q + i] = table[r * width + at / block_size] * block_size + at % block_size;
       }
-    auto x = apply(fc_l, torch::cat({embed.index_select(0, ids), feed}, 1), pair_rows);
-    auto layer = layer_impl(w, x, c10::nullopt, cos_table.index_select(0, pos).unsqueeze(1),
-                            sin_table.index_select(0, pos).unsqueeze(1), kv_cache, slots, block_table,
-                            (pos + 1).view({R, q}), q);
+    auto cos = cos_table.index_select(0, pos).unsqueeze(1), sin = sin_table.index_select(0, pos).unsqueeze(1);
+    auto visible = (pos + 1).view({R, q});
+    auto embeds = embed.index_select(0, ids);
+    std::vector<torch::Tensor> layer;
+    if (is3) {
+      auto x = torch::cat({rms_norm_impl(embeds, c10::nullopt, eagle3[0], eps)[0],
+                           rms_norm_impl(feed, c10::nullopt, eagle3[1], eps)[0]}, 1);
+      layer = attn_mlp(w, x, feed, cos, sin, kv_cache, slots, block_table, visible, q);
+    } else {
+      auto x = apply(fc_l, torch::cat({embeds, feed}, 1), pair_rows);
+      layer = attn_mlp(w, x, x, cos, sin, kv_cache, slots, block_table, visible, q);
+    }
     feed = layer[1] + layer[0];
     if (q > 1) feed = feed.index_select(0, torch::arange(q - 1, R * q, q, start.options()));  // last rows
-    ids = argmax_rows(apply(head_l, feed, pair_rows));
+    auto for_logits = is3 ? rms_norm_impl(feed, c10::nullopt, eagle3[2], eps)[0] : feed;
+    ids = argmax_rows(apply(head_l, for_logits, pair_rows));
+    if (is3) ids = ids + eagle3[3].index_select(0, ids);
     drafts.select(1, p).copy_(ids);
   }
   return drafts;

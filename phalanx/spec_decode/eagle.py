@@ -18,7 +18,7 @@ import torch
 
 from phalanx.attention.torch_paged import cache_block_size
 from phalanx.config import ModelConfig
-from phalanx.models.eagle import Eagle1Head, Eagle3Head, load_eagle_head
+from phalanx.models.eagle import Eagle3Head, load_eagle_head
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
@@ -67,12 +67,11 @@ class EagleProposer:
         return self.head(p.input_ids, hidden, self.kv_caches, p.meta)
 
     def _chains(self, batch: ProposeBatch) -> bool:
-        """Drafting passes go through the C++ chain (``Eagle1Head.draft_chain``, bitwise the
-        pass-by-pass path): a one-layer EAGLE-1 head on the fused kernels and no lockstep padding
-        (DP lockstep pads every pass to the voted size: the pass-by-pass path)."""
+        """Drafting passes go through the C++ chain (``draft_chain`` of the head, bitwise the
+        pass-by-pass path): a one-layer head on the fused kernels and no lockstep padding (DP
+        lockstep pads every pass to the voted size: the pass-by-pass path)."""
         return (
             batch.pass_sizes is None
-            and isinstance(self.head, Eagle1Head)
             and self.head.chain_form() is not None
             and cpu_ops.kernel_for(self.head.config.dtype) is not None
         )
@@ -108,7 +107,6 @@ class EagleProposer:
         if chains and len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds):
             # Every fed request drafts and feeds the same number of positions: all k passes are one
             # [R, q] grid then one token per request each, in one C++ call.
-            assert isinstance(self.head, Eagle1Head)
             rows = [f[0] for f in feeds]
             ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
             start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
@@ -130,7 +128,6 @@ class EagleProposer:
 
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
         if chains and n and passes > 1:  # all of them in one C++ call
-            assert isinstance(self.head, Eagle1Head)
             table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
             rest = self.head.draft_chain(tokens, feed, positions, 1, table, self.block_size, passes - 1, self.kv_caches[0])
             for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):

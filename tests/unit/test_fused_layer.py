@@ -123,19 +123,21 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
         kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("num_seqs,same_length", [(1, True), (3, True), (6, False)])
-def test_eagle_chain_drafts_and_writes_what_the_passes_do(num_seqs: int, same_length: bool, tmp_path: Path) -> None:
+def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, same_length: bool,
+                                                          tmp_path: Path) -> None:
     """The C++ drafting chain against pass by pass: the same drafts at every step and the same head
     KV cache at the end. Requests feeding the same number of positions run all k passes in one call
     (pass 1 over the [R, q] grid, prompts included); otherwise pass 1 runs in Python and passes 2..k
     in one call."""
     target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
-    head = make_eagle_head(target, tmp_path / "eagle", "eagle")
+    head = make_eagle_head(target, tmp_path / "eagle", method)
     lens = [5] * num_seqs if same_length else [3 + i % 3 for i in range(num_seqs)]
     prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 40, 7, 3 * i + 1][: lens[i]]} for i in range(num_seqs)]
     # staggered lengths: requests finish at different steps, so batches change shape
     params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(num_seqs)]
-    runs = [_run_eagle(target, head, prompts, params, chain) for chain in (True, False)]
+    runs = [_run_eagle(target, head, method, prompts, params, chain) for chain in (True, False)]
     (outs_a, drafts_a, kv_a, (grids, python_passes)), (outs_b, drafts_b, kv_b, (no_grids, _)) = runs
     if same_length:
         assert any(q > 1 for q in grids) and python_passes == 0  # every step one call, prompts included
@@ -146,11 +148,11 @@ def test_eagle_chain_drafts_and_writes_what_the_passes_do(num_seqs: int, same_le
     assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
 
 
-def _run_eagle(target: Path, head: Path, prompts: list, params: list, chain: bool) -> tuple:
+def _run_eagle(target: Path, head: Path, method: str, prompts: list, params: list, chain: bool) -> tuple:
     """(outputs, drafts per step, the head's KV caches, (the grid width q of each chain call, the
     drafter passes run in Python))."""
     llm = LLM(str(target), dtype="bfloat16", max_num_seqs=len(prompts), enable_prefix_caching=False, num_kv_blocks=64,
-              speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3})
+              speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
     assert proposer.head.chain_form() is not None
     drafts, grids, passes = [], [], []

@@ -3,13 +3,14 @@ concurrency 1 and 16 (offline `LLM`, greedy chat requests from the held-out math
 time per output token after the first (TPOT: the decode phase alone) and the mean acceptance
 length. Prints a markdown table; asserts nothing.
 
-    python benchmarks/spec_bench.py [--threads 2] [--num-prompts 64] [--max-tokens 128]
+    python benchmarks/spec_bench.py [--threads 2] [--num-prompts 64] [--max-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -56,25 +57,34 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--c1-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over all methods (the machine drifts: each figure is the median over rounds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [json.loads(line) for line in (REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open()]
     chats = [[{"role": "user", "content": r["question"]}] for r in rows[: args.num_prompts]]
-    results = {}
-    for method in METHODS:
-        c1 = run(method, 1, chats[: args.c1_prompts], args.max_tokens)
-        c16 = run(method, 16, chats, args.max_tokens)
-        results[method] = (c1, c16)
-        print(method, c1, c16, flush=True)
-    (base1, tpot1, _), (base16, tpot16, _) = results["none"]
-    print("\n| method (k = 3) | tok/s c = 1 | speed-up | TPOT c = 1 (ms) | TPOT speed-up | tok/s c = 16 | speed-up "
+    runs: dict[str, list] = {m: [] for m in METHODS}
+    for _ in range(args.repeats):
+        for method in METHODS:
+            c1 = run(method, 1, chats[: args.c1_prompts], args.max_tokens)
+            c16 = run(method, 16, chats, args.max_tokens)
+            runs[method].append((c1, c16))
+            print(method, c1, c16, flush=True)
+
+    def median(method: str, c: int, i: int) -> float:
+        return statistics.median(r[c][i] for r in runs[method])
+
+    base1, tpot1, base16, tpot16 = median("none", 0, 0), median("none", 0, 1), median("none", 1, 0), median("none", 1, 1)
+    print(f"\nmedians of {args.repeats} round(s)")
+    print("| method (k = 3) | tok/s c = 1 | speed-up | TPOT c = 1 (ms) | TPOT speed-up | tok/s c = 16 | speed-up "
           "| TPOT c = 16 (ms) | TPOT speed-up | acceptance length (c=1 / c=16) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for method, ((t1, p1, a1), (t16, p16, a16)) in results.items():
+    for method, r in runs.items():
+        t1, p1, t16, p16 = median(method, 0, 0), median(method, 0, 1), median(method, 1, 0), median(method, 1, 1)
+        a1, a16 = r[0][0][2], r[0][1][2]
         acc = "–" if a1 is None else f"{a1:.2f} / {a16:.2f}"
         print(f"| {method} | {t1:.1f} | {t1 / base1:.2f}× | {p1:.3f} | {tpot1 / p1:.2f}× | {t16:.1f} | {t16 / base16:.2f}× "
               f"| {p16:.3f} | {tpot16 / p16:.2f}× | {acc} |")
-
 
 if __name__ == "__main__":
     main()

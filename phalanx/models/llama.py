@@ -87,10 +87,11 @@ class DecoderLayer(nn.Module):
         return residual + delta
 
     def fused_form(self) -> tuple | None:
-        """(kernel, fixed arguments) of the C++ one-call layer (``ops.cpu.fused_layer``) when every
-        part of this layer already runs on the kernels it chains (bf16: pair_linear-packed linears,
-        fused norms, rotary and SiLU-and-multiply; no q/k norm, a dense MLP), else None. Resolved once,
-        at the first few-row forward, after loading packed and attached the layer."""
+        """(kernel, fixed arguments..., rotary) of the C++ one-call layer (``ops.cpu.fused_layer``)
+        when every part of this layer already runs on the kernels it chains (bf16: packed linears,
+        fused norms, rotary and SiLU-and-multiply; no q/k norm, a dense MLP), else None. Resolved
+        once, at the first one-grid forward (after loading packed the linears and attached the
+        kernels)."""
         if self._fused is False:
             self._fused = _fused_form(self)
         return self._fused  # type: ignore[return-value]

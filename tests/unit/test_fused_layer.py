@@ -124,8 +124,8 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-@pytest.mark.parametrize("num_seqs,same_length", [(1, True), (3, True), (6, False)])
-def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, same_length: bool,
+@pytest.mark.parametrize("num_seqs,prompt_len", [(1, 5), (3, 5), (2, 20), (6, None)])
+def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, prompt_len: int | None,
                                                           tmp_path: Path) -> None:
     """The C++ drafting chain against pass by pass: the same drafts at every step and the same head
     KV cache at the end. Requests feeding the same number of positions run all k passes in one call
@@ -133,8 +133,9 @@ def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs:
     in one call."""
     target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
     head = make_eagle_head(target, tmp_path / "eagle", method)
-    lens = [5] * num_seqs if same_length else [3 + i % 3 for i in range(num_seqs)]
-    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 40, 7, 3 * i + 1][: lens[i]]} for i in range(num_seqs)]
+    same_length = prompt_len is not None  # 20: a grid past the decode group's 16-token queries
+    lens = [prompt_len] * num_seqs if same_length else [3 + i % 3 for i in range(num_seqs)]
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 300 + 3 for j in range(lens[i])]} for i in range(num_seqs)]
     # staggered lengths: requests finish at different steps, so batches change shape
     params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(num_seqs)]
     runs = [_run_eagle(target, head, method, prompts, params, chain) for chain in (True, False)]

@@ -183,6 +183,7 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.tied_head: PackedLinear | None = None  # the embedding packed as the logits head (prepack)
+        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
 
     @property
     def num_layers(self) -> int:
@@ -216,6 +217,48 @@ class CausalLM(nn.Module):
         normed = self.model.norm(delta) if residual is None else self.model.norm.add_forward(delta, residual)[0]
         # in the order the head lists them (a repeated id repeats its layer)
         return normed, [captured[i] for i in aux_layer_ids]
+
+    def chain_form(self) -> tuple | None:
+        """The arguments of ``ops.cpu.model_chain`` (a draft model's drafting passes in one call)
+        when every layer has the one-call form with an input norm, the final norm is fused and the
+        logits head packed; else None. Resolved once."""
+        if self._chain is False:
+            self._chain = self._resolve_chain()
+        return self._chain  # type: ignore[return-value]
+
+    def _resolve_chain(self) -> tuple | None:
+        forms = [layer.fused_form() for layer in self.model.layers]
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        norm = self.model.norm
+        if not forms or any(f is None or f[1] is None or f[3] != norm.eps for f in forms):
+            return None
+        if norm.kernel is None or not isinstance(head, PackedLinear):
+            return None
+        kernel, _, _, eps, _, widths, heads, scale, pair_rows, rotary = forms[0]  # type: ignore[misc]
+        layers = [[f[1], f[2], *f[4]] for f in forms]  # type: ignore[index]
+        none = torch.empty(0)
+        head_args = [head.packed, none if head.bias is None else head.bias, none if head.pairs is None else head.pairs]
+        cos, sin = rotary.typed_tables(norm.weight.dtype)
+        return (kernel, self.model.embed_tokens.weight, layers, widths, heads, scale, eps, pair_rows, norm.weight,
+                head_args, head.out_features, cos, sin)
+
+    def draft_chain(
+        self,
+        ids: torch.Tensor,  # [R * q] the tokens of pass 1
+        start: torch.Tensor,  # [R] int64: each request's first position in pass 1
+        q: int,
+        block_table: torch.Tensor,  # [R, W]
+        block_size: int,
+        passes: int,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [R, passes] greedy drafts
+        """`passes` greedy drafting passes of this model in one C++ call (`chain_form` must be set):
+        pass 1 over the [R, q] grid (drafting from each request's last row), then one token per
+        request per pass — bitwise `forward` + `compute_logits` + argmax pass by pass."""
+        chain = self.chain_form()
+        assert chain is not None
+        kernel, *args = chain
+        return kernel.model_chain(ids, start, q, block_table, block_size, passes, *args, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
         """float32 logits (sampling), or in the model's dtype with ``float32=False`` (an argmax

@@ -943,6 +943,41 @@ std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch:
                     kv_cache, slots, block_table, visible, qlen);
 }
 
+// Positions and KV slots of a drafting pass's [R, q] grid: request r's tokens at start[r] + shift + i.
+std::vector<torch::Tensor> grid_slots(const torch::Tensor& start, int64_t q, int64_t shift, const torch::Tensor& block_table,
+                                      int64_t block_size) {
+  const int64_t R = start.numel(), width = block_table.size(1);
+  const int64_t* first = start.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  auto pos = torch::empty({R * q}, start.options());
+  auto slots = torch::empty_like(pos);
+  int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < q; ++i) {
+      const int64_t at = first[r] + shift + i;
+      TORCH_CHECK(at >= 0 && at / block_size < width, "drafting chain: position ", at, " outside the block table");
+      pp[r * q + i] = at;
+      sp[r * q + i] = table[r * width + at / block_size] * block_size + at % block_size;
+    }
+  return {pos, slots};
+}
+
+void check_chain_inputs(const torch::Tensor& ids, const torch::Tensor* feed, const torch::Tensor& start, int64_t qlen,
+                        const torch::Tensor& block_table, int64_t passes) {
+  const int64_t R = start.numel();
+  TORCH_CHECK(R > 0 && qlen > 0 && passes >= 1, "drafting chain: needs requests, a query length and a pass");
+  TORCH_CHECK(start.dim() == 1 && start.scalar_type() == torch::kInt64 && start.is_contiguous() &&
+                  block_table.dim() == 2 && block_table.size(0) == R && block_table.scalar_type() == torch::kInt64 &&
+                  block_table.is_contiguous() && ids.dim() == 1 && ids.size(0) == R * qlen &&
+                  (feed == nullptr || (feed->dim() == 2 && feed->size(0) == R * qlen)),
+              "drafting chain: start [R] and block_table [R, W] contiguous int64, ids [R * qlen], feed [R * qlen, H]");
+}
+
+torch::Tensor last_rows(const torch::Tensor& x, int64_t R, int64_t q) {  // rows q-1, 2q-1, ... of x
+  return q == 1 ? x : x.index_select(0, torch::arange(q - 1, R * q, q, torch::dtype(torch::kInt64)));
+}
+
 // EAGLE drafting with a one-layer head in one call: `passes` forwards of the head, its logits and
 // the argmax — the same functions in the same order as the module path (``spec_decode.eagle`` over
 // ``models.eagle``), so the drafts and the head's KV are bitwise the same.
@@ -972,30 +1007,15 @@ torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor s
   auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
   const Linear fc_l = is3 ? Linear{} : Linear{fc[0], opt(fc[1]), opt(fc[2]), out_features[0]};
   const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), out_features[1]};
-  const int64_t R = start.numel(), width = block_table.size(1);
-  TORCH_CHECK(R > 0 && qlen > 0 && passes >= 1, "eagle_chain: needs requests, a query length and a pass");
-  TORCH_CHECK(start.dim() == 1 && start.scalar_type() == torch::kInt64 && block_table.dim() == 2 &&
-                  block_table.size(0) == R && block_table.scalar_type() == torch::kInt64 && ids.dim() == 1 &&
-                  ids.size(0) == R * qlen && feed.dim() == 2 && feed.size(0) == R * qlen,
-              "eagle_chain: start [R] and block_table [R, W] int64, ids [R * qlen], feed [R * qlen, H]");
   block_table = block_table.contiguous();
   start = start.contiguous();
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  const int64_t* first = start.data_ptr<int64_t>();
+  check_chain_inputs(ids, &feed, start, qlen, block_table, passes);
+  const int64_t R = start.numel();
   auto drafts = torch::empty({R, passes}, start.options());
   for (int64_t p = 0; p < passes; ++p) {
-    const int64_t q = p == 0 ? qlen : 1, shift = p == 0 ? 0 : qlen + p - 1;
-    auto pos = torch::empty({R * q}, start.options());
-    auto slots = torch::empty_like(pos);
-    int64_t* pp = pos.data_ptr<int64_t>();
-    int64_t* sp = slots.data_ptr<int64_t>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t i = 0; i < q; ++i) {
-        const int64_t at = first[r] + shift + i;
-        TORCH_CHECK(at >= 0 && at / block_size < width, "eagle_chain: position ", at, " outside the block table");
-        pp[r * q + i] = at;
-        sp[r * q + i] = table[r * width + at / block_size] * block_size + at % block_size;
-      }
+    const int64_t q = p == 0 ? qlen : 1;
+    auto ps = grid_slots(start, q, p == 0 ? 0 : qlen + p - 1, block_table, block_size);
+    auto pos = ps[0], slots = ps[1];
     auto cos = cos_table.index_select(0, pos).unsqueeze(1), sin = sin_table.index_select(0, pos).unsqueeze(1);
     auto visible = (pos + 1).view({R, q});
     auto embeds = embed.index_select(0, ids);
@@ -1008,11 +1028,58 @@ torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor s
       auto x = apply(fc_l, torch::cat({embeds, feed}, 1), pair_rows);
       layer = attn_mlp(w, x, x, cos, sin, kv_cache, slots, block_table, visible, q);
     }
-    feed = layer[1] + layer[0];
-    if (q > 1) feed = feed.index_select(0, torch::arange(q - 1, R * q, q, start.options()));  // last rows
+    feed = last_rows(layer[1] + layer[0], R, q);
     auto for_logits = is3 ? rms_norm_impl(feed, c10::nullopt, eagle3[2], eps)[0] : feed;
     ids = argmax_rows(apply(head_l, for_logits, pair_rows));
     if (is3) ids = ids + eagle3[3].index_select(0, ids);
+    drafts.select(1, p).copy_(ids);
+  }
+  return drafts;
+}
+
+// A draft model's drafting passes in one call — a dense Llama-family model whose every layer has the
+// one-call form: embed, the layers (`layer_impl`, the residual add fused into the next norm), the
+// final add + norm, the logits head, the argmax; the same functions in the same order as
+// ``models.llama.CausalLM.forward`` + ``compute_logits`` pass by pass (``spec_decode.draft_model``),
+// so drafts and KV writes are bitwise the same. Pass 0 runs the [R, qlen] grid `ids` at start[r] ..
+// start[r] + qlen - 1 and drafts from each request's last row; pass p >= 1 feeds the previous draft
+// at start[r] + qlen + p - 1. layers: per layer [input norm, post-attention norm, then its linears as
+// a fused layer's]; kv_caches one per layer. Returns the drafts [R, passes].
+torch::Tensor model_chain(torch::Tensor ids, torch::Tensor start, int64_t qlen, torch::Tensor block_table,
+                          int64_t block_size, int64_t passes, torch::Tensor embed,
+                          std::vector<std::vector<torch::Tensor>> layers, std::vector<int64_t> widths,
+                          std::vector<int64_t> heads, double scale, double eps, int64_t pair_rows, torch::Tensor norm,
+                          std::vector<torch::Tensor> logits_head, int64_t vocab, torch::Tensor cos_table,
+                          torch::Tensor sin_table, std::vector<torch::Tensor> kv_caches) {
+  TORCH_CHECK(!layers.empty() && layers.size() == kv_caches.size() && logits_head.size() == 3,
+              "model_chain: one [ln1, ln2, linears...] entry and one KV cache per layer; logits_head is (packed, bias, pairs)");
+  std::vector<LayerWeights> w;
+  for (const auto& l : layers) {
+    TORCH_CHECK(l.size() == 14, "model_chain: a layer is [input norm, post-attention norm, 12 linear tensors]");
+    w.push_back(layer_weights(l[0], l[1], eps, std::vector<torch::Tensor>(l.begin() + 2, l.end()), widths, heads, scale,
+                              pair_rows));
+  }
+  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
+  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), vocab};
+  block_table = block_table.contiguous();
+  start = start.contiguous();
+  check_chain_inputs(ids, nullptr, start, qlen, block_table, passes);
+  const int64_t R = start.numel();
+  auto drafts = torch::empty({R, passes}, start.options());
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t q = p == 0 ? qlen : 1;
+    auto ps = grid_slots(start, q, p == 0 ? 0 : qlen + p - 1, block_table, block_size);
+    auto cos = cos_table.index_select(0, ps[0]).unsqueeze(1), sin = sin_table.index_select(0, ps[0]).unsqueeze(1);
+    auto visible = (ps[0] + 1).view({R, q});
+    torch::Tensor delta = embed.index_select(0, ids);
+    c10::optional<torch::Tensor> residual;
+    for (size_t l = 0; l < w.size(); ++l) {
+      auto out = layer_impl(w[l], delta, residual, cos, sin, kv_caches[l], ps[1], block_table, visible, q);
+      delta = out[0];
+      residual = out[1];
+    }
+    auto normed = last_rows(rms_norm_impl(delta, residual, norm, eps)[0], R, q);
+    ids = argmax_rows(apply(head_l, normed, pair_rows));
     drafts.select(1, p).copy_(ids);
   }
   return drafts;
@@ -1059,7 +1126,7 @@ def build_dir() -> Path:
 FUNCTIONS = (
     "decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
     "pack_pairs", "pair_linear", "pair_linear_supported", "fused_layer",
-    "eagle_chain",
+    "eagle_chain", "model_chain",
 )
 CFLAGS = ("-fopenmp", "-ffp-contract=off")  # besides -O3 -march=...: no FMA contraction, so each op rounds as written
 STALE_LOCK_S = 600.0  # a build takes ~30 s here; a lock this old was left by a killed build

@@ -123,22 +123,25 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
         kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("num_seqs,prompt_len", [(1, 5), (3, 5), (2, 20), (6, None)])
-def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, prompt_len: int | None,
+def test_drafting_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, prompt_len: int | None,
                                                           tmp_path: Path) -> None:
-    """The C++ drafting chain against pass by pass: the same drafts at every step and the same head
-    KV cache at the end. Requests feeding the same number of positions run all k passes in one call
-    (pass 1 over the [R, q] grid, prompts included); otherwise pass 1 runs in Python and passes 2..k
-    in one call."""
+    """The C++ drafting chains (EAGLE heads, draft models) against pass by pass: the same drafts at
+    every step and the same drafter KV cache at the end. Requests feeding the same number of
+    positions run all k passes in one call (pass 1 over the [R, q] grid, prompts included);
+    otherwise pass 1 runs in Python and passes 2..k in one call."""
     target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
-    head = make_eagle_head(target, tmp_path / "eagle", method)
+    if method == "draft_model":  # a 2-layer dense draft model: every layer and the final norm chained
+        head = make_model("LlamaForCausalLM", tmp_path / "draft", seed=3, hidden_size=64, intermediate_size=96)
+    else:
+        head = make_eagle_head(target, tmp_path / "eagle", method)
     same_length = prompt_len is not None  # 20: a grid past the decode group's 16-token queries
     lens = [prompt_len] * num_seqs if same_length else [3 + i % 3 for i in range(num_seqs)]
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 300 + 3 for j in range(lens[i])]} for i in range(num_seqs)]
     # staggered lengths: requests finish at different steps, so batches change shape
     params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(num_seqs)]
-    runs = [_run_eagle(target, head, method, prompts, params, chain) for chain in (True, False)]
+    runs = [_run_spec(target, head, method, prompts, params, chain) for chain in (True, False)]
     (outs_a, drafts_a, kv_a, (grids, python_passes)), (outs_b, drafts_b, kv_b, (no_grids, _)) = runs
     if same_length:
         assert any(q > 1 for q in grids) and python_passes == 0  # every step one call, prompts included
@@ -149,18 +152,20 @@ def test_eagle_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs:
     assert all(torch.equal(a, b) for a, b in zip(kv_a, kv_b))
 
 
-def _run_eagle(target: Path, head: Path, method: str, prompts: list, params: list, chain: bool) -> tuple:
+def _run_spec(target: Path, head: Path, method: str, prompts: list, params: list, chain: bool) -> tuple:
     """(outputs, drafts per step, the head's KV caches, (the grid width q of each chain call, the
     drafter passes run in Python))."""
     llm = LLM(str(target), dtype="bfloat16", max_num_seqs=len(prompts), enable_prefix_caching=False, num_kv_blocks=64,
               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
-    assert proposer.head.chain_form() is not None
+    drafter = proposer.model if method == "draft_model" else proposer.head
+    assert drafter.chain_form() is not None
     drafts, grids, passes = [], [], []
-    real_propose, real_chain, real_run = proposer.propose, proposer.head.draft_chain, proposer._run
+    real_propose, real_chain, real_run = proposer.propose, drafter.draft_chain, proposer._run
     proposer._run = lambda *a: passes.append(1) or real_run(*a)
+    q_arg = 2 if method == "draft_model" else 3  # draft_chain(ids, [feed,] start, q, ...)
     if chain:
-        proposer.head.draft_chain = lambda *a: grids.append(a[3]) or real_chain(*a)
+        drafter.draft_chain = lambda *a: grids.append(a[q_arg]) or real_chain(*a)
     else:
         proposer._chains = lambda batch: False
     proposer.propose = lambda batch: drafts.append(real_propose(batch)) or drafts[-1]

@@ -3,9 +3,11 @@
 Owns: the kernel source, building / loading it (`load`), the backend choice (``PHALANX_KERNELS``),
 `decode_attention` (the paged attention's decode group and prefill chunks), `cache_write` (a layer's
 new keys and values into the paged cache, one call), `argmax` (greedy tokens from the logits),
-`pack_pairs` / `pair_linear` (few-row bf16 linears, used by ``layers.linear.PackedLinear``)
-and `attach` (hands the module to the layers that use the elementwise ops: RMSNorm, residual add +
-RMSNorm, rotary, SiLU-and-multiply).
+`pack_pairs` / `pair_linear` (few-row bf16 linears, used by ``layers.linear.PackedLinear``),
+`fused_layer` (a whole decoder layer in one call, used by ``models.llama.DecoderLayer``),
+`eagle_chain` / `model_chain` (a step's k drafting passes in one call, used by the EAGLE heads and
+``models.llama.CausalLM`` as a draft model) and `attach` (hands the module to the layers that use
+the elementwise ops: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply).
 Does not own: the reference implementations (``attention.torch_paged``, ``layers.*``), which every
 result of these kernels is tested against and which serve whenever the kernels are off.
 

@@ -33,7 +33,16 @@ from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_support
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
-from phalanx.models.llama import Attention, CausalLM, DecoderLayer, _copy_shard, fused_parts, map_hf_name
+from phalanx.models.llama import (
+    Attention,
+    CausalLM,
+    DecoderLayer,
+    FusedParts,
+    _copy_shard,
+    fused_parts,
+    map_hf_name,
+    packed_triplet,
+)
 from phalanx.models.loader import iterate_weights
 from phalanx.ops import cpu as cpu_ops
 
@@ -115,23 +124,16 @@ class _HeadBase(nn.Module):
     def _resolve_chain(self) -> tuple | None:
         raise NotImplementedError
 
-    def _chain_args(self, parts: tuple | None, fc: nn.Module | None, logits_head: nn.Module | None,
+    def _chain_args(self, parts: FusedParts | None, fc: nn.Module | None, logits_head: nn.Module | None,
                     eagle3: list[torch.Tensor]) -> tuple | None:
         if parts is None or not all(isinstance(x, PackedLinear) for x in (fc, logits_head) if x is not None):
             return None
-        kernel, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = parts
-        cos_table, sin_table = rotary.typed_tables(ln2.dtype)
+        cos_table, sin_table = parts.rotary.typed_tables(parts.ln2.dtype)
         embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target[0].model.embed_tokens.weight
-        none = torch.empty(0)
-
-        def triplet(x: PackedLinear) -> list[torch.Tensor]:
-            return [x.packed, none if x.bias is None else x.bias, none if x.pairs is None else x.pairs]
-
-        fc_args = [] if fc is None else triplet(fc)  # type: ignore[arg-type]
-        head_args = triplet(logits_head)  # type: ignore[arg-type]
+        fc_args = [] if fc is None else packed_triplet(fc)  # type: ignore[arg-type]
         widths_fc = [0 if fc is None else fc.out_features, logits_head.out_features]  # type: ignore[union-attr]
-        return (kernel, embed, fc_args, head_args, widths_fc, eagle3, ln2, eps, linears, widths, heads, scale,
-                pair_rows, cos_table, sin_table)
+        return (parts.kernel, embed, fc_args, packed_triplet(logits_head), widths_fc, eagle3,  # type: ignore[arg-type]
+                *parts.layer_args(), cos_table, sin_table)
 
     def draft_chain(
         self,
@@ -191,11 +193,11 @@ class Eagle1Head(_HeadBase):
 
     def _resolve_chain(self) -> tuple | None:
         fused = self.layers[0].fused_form()
-        if fused is None or fused[1] is not None:  # the first layer has no input norm
+        if fused is None or fused.ln1 is not None:  # the first layer has no input norm
             return None
         target = self.target[0]
         logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
-        return self._chain_args((fused[0], *fused[2:]), self.fc, logits_head, [])
+        return self._chain_args(fused.parts, self.fc, logits_head, [])
 
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:

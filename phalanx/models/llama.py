@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -80,18 +81,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-        self._fused: tuple | None | bool = False  # the one-call form's arguments (False: not resolved)
+        self._fused: FusedLayer | None | bool = False  # `fused_form` (False: not resolved yet)
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         delta, residual = self.forward_split(x, None, kv_cache, meta)
         return residual + delta
 
-    def fused_form(self) -> tuple | None:
-        """(kernel, fixed arguments..., rotary) of the C++ one-call layer (``ops.cpu.fused_layer``)
-        when every part of this layer already runs on the kernels it chains (bf16: packed linears,
-        fused norms, rotary and SiLU-and-multiply; no q/k norm, a dense MLP), else None. Resolved
-        once, at the first one-grid forward (after loading packed the linears and attached the
-        kernels)."""
+    def fused_form(self) -> FusedLayer | None:
+        """The arguments of the C++ one-call layer (``ops.cpu.fused_layer``) when every part of this
+        layer already runs on the kernels it chains (bf16: packed linears, fused norms, rotary and
+        SiLU-and-multiply; no q/k norm, a dense MLP), else None. Resolved once, at the first
+        one-grid forward (after loading packed the linears and attached the kernels)."""
         if self._fused is False:
             self._fused = _fused_form(self)
         return self._fused  # type: ignore[return-value]
@@ -107,9 +107,10 @@ class DecoderLayer(nn.Module):
         if grid is not None and delta.is_contiguous():
             fused = self.fused_form()
             if fused is not None and attention_kernel(delta.dtype, meta) is not None:
-                kernel, *weights, rotary = fused
-                cos, sin = rotary.tables(meta.positions, delta.dtype, meta.cache)
-                return kernel.fused_layer(delta, residual, *weights, cos, sin, kv_cache, meta.slot_mapping, *grid)
+                p = fused.parts
+                cos, sin = p.rotary.tables(meta.positions, delta.dtype, meta.cache)
+                return p.kernel.fused_layer(delta, residual, fused.ln1, *p.layer_args(), cos, sin, kv_cache,
+                                            meta.slot_mapping, *grid)
         if residual is None:
             x_in, residual = self.input_layernorm(delta), delta
         else:
@@ -118,7 +119,32 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def _fused_form(layer: DecoderLayer) -> tuple | None:
+class FusedParts(NamedTuple):
+    """A layer's arguments for the C++ kernels from its attention on (``ops.cpu``'s `attn_mlp`)."""
+
+    kernel: Any  # the compiled ops module
+    ln2: torch.Tensor  # the post-attention norm's weight
+    eps: float
+    linears: list[torch.Tensor]  # [qkv, o, gate_up, down] x (packed, bias, pairs); an empty tensor: none
+    widths: list[int]  # their out features
+    heads: list[int]  # [num_heads, num_kv_heads, head_dim]
+    scale: float
+    pair_rows: int  # pair_linear serves up to this many rows (PackedLinear's rule)
+    rotary: RotaryEmbedding
+
+    def layer_args(self) -> tuple:
+        """The arguments after the input norm, in the kernels' order."""
+        return self.ln2, self.eps, self.linears, self.widths, self.heads, self.scale, self.pair_rows
+
+
+class FusedLayer(NamedTuple):
+    """A decoder layer's one-call form: its input norm's weight (None: no input norm) and the rest."""
+
+    ln1: torch.Tensor | None
+    parts: FusedParts
+
+
+def _fused_form(layer: DecoderLayer) -> FusedLayer | None:
     ln1 = layer.input_layernorm
     if isinstance(ln1, RMSNorm):
         if ln1.kernel is None or ln1.eps != layer.post_attention_layernorm.eps:
@@ -126,36 +152,37 @@ def _fused_form(layer: DecoderLayer) -> tuple | None:
     elif not isinstance(ln1, nn.Identity):
         return None
     parts = fused_parts(layer.self_attn, layer.mlp, layer.post_attention_layernorm)
-    if parts is None:
-        return None
-    kernel, *rest = parts
-    return (kernel, ln1.weight if isinstance(ln1, RMSNorm) else None, *rest)
+    return None if parts is None else FusedLayer(ln1.weight if isinstance(ln1, RMSNorm) else None, parts)
 
 
-def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> tuple | None:
-    """(kernel, post-attention norm weight, eps, linears, widths, heads, scale, pair rows, rotary):
-    the arguments of the C++ layer from its attention on (``ops.cpu``'s `attn_mlp`) when every part
-    runs on the kernels it chains — packed linears, fused norm, rotary and SiLU-and-multiply, no q/k
-    norm, a dense MLP — else None."""
+def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> FusedParts | None:
+    """The C++ layer's arguments from its attention on when every part runs on the kernels it chains
+    — packed linears, fused norm, rotary and SiLU-and-multiply, no q/k norm, a dense MLP — else None."""
     linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
     if not all(isinstance(x, PackedLinear) for x in linears):
         return None
     if not (ln2.kernel is not None and isinstance(mlp, GatedMLP) and mlp.kernel is not None
             and attn.rotary.kernel is not None and attn.q_norm is None and hasattr(mlp.kernel, "fused_layer")):
         return None
-    none = torch.empty(0)
-    tensors = [t if t is not None else none for x in linears for t in (x.packed, x.bias, x.pairs)]  # type: ignore[union-attr]
-    return (
-        mlp.kernel,
-        ln2.weight,
-        ln2.eps,
-        tensors,
-        [x.out_features for x in linears],  # type: ignore[union-attr]
-        [attn.num_heads, attn.num_kv_heads, attn.head_dim],
-        attn.scale,
-        PAIR_MAX_ROWS,
-        attn.rotary,
+    return FusedParts(
+        kernel=mlp.kernel,
+        ln2=ln2.weight,
+        eps=ln2.eps,
+        linears=[t for x in linears for t in packed_triplet(x)],  # type: ignore[arg-type]
+        widths=[x.out_features for x in linears],  # type: ignore[union-attr]
+        heads=[attn.num_heads, attn.num_kv_heads, attn.head_dim],
+        scale=attn.scale,
+        pair_rows=PAIR_MAX_ROWS,
+        rotary=attn.rotary,
     )
+
+
+_NONE = torch.empty(0)  # "no tensor" in the kernels' tensor lists
+
+
+def packed_triplet(x: PackedLinear) -> list[torch.Tensor]:
+    """(oneDNN-packed weight, bias, pair_linear copy) as the C++ kernels take a linear."""
+    return [x.packed, _NONE if x.bias is None else x.bias, _NONE if x.pairs is None else x.pairs]
 
 
 class DecoderModel(nn.Module):
@@ -230,17 +257,15 @@ class CausalLM(nn.Module):
         forms = [layer.fused_form() for layer in self.model.layers]
         head = self.lm_head if self.lm_head is not None else self.tied_head
         norm = self.model.norm
-        if not forms or any(f is None or f[1] is None or f[3] != norm.eps for f in forms):
+        if not forms or any(f is None or f.ln1 is None or f.parts.eps != norm.eps for f in forms):
             return None
         if norm.kernel is None or not isinstance(head, PackedLinear):
             return None
-        kernel, _, _, eps, _, widths, heads, scale, pair_rows, rotary = forms[0]  # type: ignore[misc]
-        layers = [[f[1], f[2], *f[4]] for f in forms]  # type: ignore[index]
-        none = torch.empty(0)
-        head_args = [head.packed, none if head.bias is None else head.bias, none if head.pairs is None else head.pairs]
-        cos, sin = rotary.typed_tables(norm.weight.dtype)
-        return (kernel, self.model.embed_tokens.weight, layers, widths, heads, scale, eps, pair_rows, norm.weight,
-                head_args, head.out_features, cos, sin)
+        p = forms[0].parts  # type: ignore[union-attr]
+        layers = [[f.ln1, f.parts.ln2, *f.parts.linears] for f in forms]  # type: ignore[union-attr]
+        cos, sin = p.rotary.typed_tables(norm.weight.dtype)
+        return (p.kernel, self.model.embed_tokens.weight, layers, p.widths, p.heads, p.scale, p.eps, p.pair_rows,
+                norm.weight, packed_triplet(head), head.out_features, cos, sin)
 
     def draft_chain(
         self,

@@ -66,7 +66,7 @@ def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_p
 def test_fused_layer_is_bitwise_the_module_path(llm: LLM, q_lens: list[int], num_computed: list[int],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     model = llm.engine.runner.model
-    kernel = model.model.layers[0].fused_form()[0]
+    kernel = model.model.layers[0].fused_form().parts.kernel
     calls = []
     real = kernel.fused_layer
     monkeypatch.setattr(kernel, "fused_layer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -101,7 +101,7 @@ def test_only_one_grid_batches_are_fused() -> None:
 
 def test_mixed_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     model = llm.engine.runner.model
-    kernel = model.model.layers[0].fused_form()[0]
+    kernel = model.model.layers[0].fused_form().parts.kernel
     monkeypatch.setattr(kernel, "fused_layer", lambda *a: pytest.fail("a mixed batch has no single grid"))
     table = torch.arange(1, 13).view(2, 6)
     out, _ = _forward(model, torch.arange(31), _caches(llm, 2), [30, 1], [0, 7], table, fused=True)
@@ -110,7 +110,8 @@ def test_mixed_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyP
 
 def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     layer = llm.engine.runner.model.model.layers[0]
-    kernel, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = layer.fused_form()
+    ln1, p = layer.fused_form()
+    kernel, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = p
     x = torch.randn(3, 128).bfloat16()
     cos, sin = rotary.tables(torch.arange(3), torch.bfloat16, {})
     cache = _caches(llm, 3)[0]

@@ -27,11 +27,14 @@ from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
     ProposeBatch,
+    chain_grid,
+    chain_rest,
     draft_rest,
     drafter_pass,
     drafter_room,
     num_passes,
     pass_size,
+    uniform_grid,
 )
 
 
@@ -97,18 +100,10 @@ class DraftModelProposer:
         if passes == 0:
             return drafts
         chains = self._chains(batch)
-        q = len(feeds[0][1]) if feeds else 0
-        if chains and len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds):
-            # Every fed request drafts and feeds the same number of tokens: all k passes are one
-            # [R, q] grid then one token per request each, in one C++ call (bitwise the same).
-            rows = [f[0] for f in feeds]
-            ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
-            start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
-            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-            out = self.model.draft_chain(ids, start, q, table, self.block_size, passes, self.kv_caches)
-            for row, toks in zip(rows, out.tolist()):
-                drafts[row].extend(toks)
-            return drafts
+        q = uniform_grid(feeds, drafting)
+        if chains and q:  # all k passes in one C++ call (bitwise the same)
+            return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(
+                ids, start, q, table, self.block_size, passes, self.kv_caches))
         # Pass 1: catch up; each drafting request's last position drafts token 1.
         p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
@@ -120,11 +115,8 @@ class DraftModelProposer:
         positions = torch.tensor([len(batch.token_ids[r]) for r in rows], dtype=torch.int64)
         # Passes 2..: feed draft j-1 at the next position, draft token j.
         if chains and n and passes > 1:  # all of them in one C++ call
-            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-            rest = self.model.draft_chain(tokens, positions, 1, table, self.block_size, passes - 1, self.kv_caches)
-            for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
-                drafts[row].extend(toks)
-            return drafts
+            return chain_rest(batch, drafts, rows, tokens, lambda table: self.model.draft_chain(
+                tokens, positions, 1, table, self.block_size, passes - 1, self.kv_caches))
         return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, self._run, self._greedy)
 
     def _chains(self, batch: ProposeBatch) -> bool:

@@ -25,11 +25,14 @@ from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
     ProposeBatch,
+    chain_grid,
+    chain_rest,
     draft_rest,
     drafter_pass,
     drafter_room,
     num_passes,
     pass_size,
+    uniform_grid,
 )
 
 
@@ -103,18 +106,10 @@ class EagleProposer:
         else:
             features = batch.target_hidden[index]
         chains = self._chains(batch)
-        q = len(feeds[0][1]) if feeds else 0
-        if chains and len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds):
-            # Every fed request drafts and feeds the same number of positions: all k passes are one
-            # [R, q] grid then one token per request each, in one C++ call.
-            rows = [f[0] for f in feeds]
-            ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
-            start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
-            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-            out = self.head.draft_chain(ids, features, start, q, table, self.block_size, passes, self.kv_caches[0])
-            for row, toks in zip(rows, out.tolist()):
-                drafts[row].extend(toks)
-            return drafts
+        q = uniform_grid(feeds, drafting)
+        if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
+            return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.head.draft_chain(
+                ids, features, start, q, table, self.block_size, passes, self.kv_caches[0]))
         # Pass 1: the verified positions with the target's features; drafts token 1.
         p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
@@ -128,11 +123,8 @@ class EagleProposer:
 
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
         if chains and n and passes > 1:  # all of them in one C++ call
-            table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
-            rest = self.head.draft_chain(tokens, feed, positions, 1, table, self.block_size, passes - 1, self.kv_caches[0])
-            for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
-                drafts[row].extend(toks)
-            return drafts
+            return chain_rest(batch, drafts, rows, tokens, lambda table: self.head.draft_chain(
+                tokens, feed, positions, 1, table, self.block_size, passes - 1, self.kv_caches[0]))
 
         def forward(p: DrafterPass) -> torch.Tensor:
             nonlocal feed

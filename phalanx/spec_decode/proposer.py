@@ -178,6 +178,43 @@ def draft_rest(
     return drafts
 
 
+def uniform_grid(feeds: list[tuple[int, list[int], int]], drafting: list[int]) -> int:
+    """q when every fed request drafts and feeds the same q positions (pass 1 is one [R, q] grid,
+    so a drafting chain can run all passes in one call); 0 otherwise."""
+    q = len(feeds[0][1]) if feeds else 0
+    return q if len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds) else 0
+
+
+def chain_grid(
+    batch: ProposeBatch,
+    feeds: list[tuple[int, list[int], int]],
+    drafts: list[list[int]],
+    chain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],  # (ids, start, table) -> [R, k]
+) -> list[list[int]]:
+    """All passes of a uniform grid (`uniform_grid`) through a drafting chain; appends the drafts."""
+    rows = [f[0] for f in feeds]
+    ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
+    start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
+    out = chain(ids, start, batch.block_table[torch.tensor(rows, dtype=torch.int64)])
+    for row, toks in zip(rows, out.tolist()):
+        drafts[row].extend(toks)
+    return drafts
+
+
+def chain_rest(
+    batch: ProposeBatch,
+    drafts: list[list[int]],
+    rows: list[int],
+    tokens: torch.Tensor,  # [n] draft 1
+    chain: Callable[[torch.Tensor], torch.Tensor],  # table [n, W] -> drafts 2..k [n, k - 1]
+) -> list[list[int]]:
+    """Passes 2..k through a drafting chain after a pass 1 run pass by pass; appends all drafts."""
+    rest = chain(batch.block_table[torch.tensor(rows, dtype=torch.int64)])
+    for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
+        drafts[row].extend(toks)
+    return drafts
+
+
 def num_passes(batch: ProposeBatch, k: int, anyone_drafts: bool) -> int:
     """Lockstep: exactly the voted passes. Alone: pass 1 always, the rest only if needed."""
     if batch.pass_sizes is not None:

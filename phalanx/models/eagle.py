@@ -199,6 +199,7 @@ class Eagle1Head(_HeadBase):
         logits_head = self.lm_head if self.lm_head is not None else (target.lm_head or target.tied_head)
         return self._chain_args(fused.parts, self.fc, logits_head, [])
 
+
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()

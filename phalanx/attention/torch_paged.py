@@ -35,7 +35,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    kernel = _kernel(q, meta)
+    kernel = attention_kernel(q.dtype, meta, q.device.type)
     if kernel is not None:  # one call for keys and values
         kernel.cache_write(kv_cache, k, v, meta.slot_mapping)
     else:
@@ -87,7 +87,7 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     """The decode group's [Bd, Qd, H, D] query grid -> its attention output: the fused C++ kernel
     when available (``ops.cpu``), else the reference grouped matmuls."""
     assert meta.dec_block_table is not None and meta.dec_visible is not None
-    kernel = _kernel(q, meta)
+    kernel = attention_kernel(q.dtype, meta, q.device.type)
     if kernel is not None:
         return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
     mask = meta.cache.get("dec_mask")
@@ -95,11 +95,6 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
         key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))
         mask = meta.cache["dec_mask"] = (key_pos[None, None, :] >= meta.dec_visible[:, :, None])[:, :, None, :]
     return _decode_group_attention(q, kv_cache, meta.dec_block_table, mask, scale, meta.cache)
-
-
-def _kernel(q: torch.Tensor, meta: AttentionMetadata):  # -> the compiled ops module or None
-    """The C++ kernels for this forward's dtype (``ops.cpu``), looked up once per forward."""
-    return attention_kernel(q.dtype, meta, q.device.type)
 
 
 def attention_kernel(dtype: torch.dtype, meta: AttentionMetadata, device: str = "cpu"):  # -> module or None

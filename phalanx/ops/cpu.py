@@ -865,6 +865,12 @@ struct Linear {
   int64_t out_features;
 };
 
+// A linear from its three tensors as Python passes them (packed, bias, pairs; an empty tensor: none).
+Linear make_linear(const torch::Tensor* t, int64_t out_features) {
+  auto opt = [](const torch::Tensor& x) { return x.numel() ? x : torch::Tensor(); };
+  return {t[0], opt(t[1]), opt(t[2]), out_features};
+}
+
 torch::Tensor onednn_linear(const torch::Tensor& x, const Linear& l) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -896,9 +902,8 @@ LayerWeights layer_weights(c10::optional<torch::Tensor> ln1, torch::Tensor ln2, 
               "fused layer: linears are [qkv, o, gate_up, down] x (packed, bias, pairs), widths their out "
               "features, heads [num_heads, num_kv_heads, head_dim]");
   TORCH_CHECK(widths[0] == (heads[0] + 2 * heads[1]) * heads[2], "fused layer: qkv width disagrees with the heads");
-  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
   Linear l[4];
-  for (int i = 0; i < 4; ++i) l[i] = {linears[3 * i], opt(linears[3 * i + 1]), opt(linears[3 * i + 2]), widths[i]};
+  for (int i = 0; i < 4; ++i) l[i] = make_linear(&linears[3 * i], widths[i]);
   return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], pair_rows, eps, scale};
 }
 
@@ -1006,9 +1011,8 @@ torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor s
   TORCH_CHECK(logits_head.size() == 3 && out_features.size() == 2 && (is3 ? eagle3.size() == 4 && fc.empty() : fc.size() == 3),
               "eagle_chain: logits_head (and EAGLE-1's fc) are (packed, bias, pairs), out_features their widths; "
               "EAGLE-3 passes [input_layernorm, hidden_norm, norm, d2t] and no fc");
-  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
-  const Linear fc_l = is3 ? Linear{} : Linear{fc[0], opt(fc[1]), opt(fc[2]), out_features[0]};
-  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), out_features[1]};
+  const Linear fc_l = is3 ? Linear{} : make_linear(fc.data(), out_features[0]);
+  const Linear head_l = make_linear(logits_head.data(), out_features[1]);
   block_table = block_table.contiguous();
   start = start.contiguous();
   check_chain_inputs(ids, &feed, start, qlen, block_table, passes);
@@ -1061,8 +1065,7 @@ torch::Tensor model_chain(torch::Tensor ids, torch::Tensor start, int64_t qlen, 
     w.push_back(layer_weights(l[0], l[1], eps, std::vector<torch::Tensor>(l.begin() + 2, l.end()), widths, heads, scale,
                               pair_rows));
   }
-  auto opt = [](const torch::Tensor& t) { return t.numel() ? t : torch::Tensor(); };
-  const Linear head_l{logits_head[0], opt(logits_head[1]), opt(logits_head[2]), vocab};
+  const Linear head_l = make_linear(logits_head.data(), vocab);
   block_table = block_table.contiguous();
   start = start.contiguous();
   check_chain_inputs(ids, nullptr, start, qlen, block_table, passes);

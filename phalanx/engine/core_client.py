@@ -73,7 +73,7 @@ class EngineClientConfig:
     data_parallel_start_rank: int = 0
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
-    num_threads: int | None = None  # torch threads per rank (default: cores // local ranks)
+    num_threads: int | None = None  # torch threads per rank (default: local_threads)
 
 
 @dataclass
@@ -108,11 +108,26 @@ def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
     return proc
 
 
-def local_threads(num_local: int, requested: int | None = None) -> int | None:
-    """torch threads per rank: as requested, else the node's cores split between its ranks."""
+FRONT_END_CORES = 1  # cores a node running the API server keeps free of engine threads
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_threads(num_local: int, requested: int | None = None, reserved: int = FRONT_END_CORES) -> int:
+    """torch threads per rank: as requested, else the node's usable cores less `reserved`, split
+    between its ranks (at least one each).
+
+    A node that runs the API server reserves one core for it (HTTP, tokenization, detokenization,
+    streaming) as vLLM's CPU backend does: engine threads that share every core with the front end
+    stall each other at every OpenMP barrier (measured on 2 cores, demo model, `bench serve` chat:
+    2 engine threads 876 / 2206 output tok/s at concurrency 1 / 16, 1 thread 1328 / 2889).
+    ``phalanx serve --headless`` nodes run no front end and reserve nothing."""
     if requested is not None:
         return requested
-    return max(1, (os.cpu_count() or 1) // num_local) if num_local > 1 else None
+    return max(1, (usable_cores() - reserved) // num_local)
 
 
 class EngineCoreClient:
@@ -321,7 +336,7 @@ def run_headless(
     """`phalanx serve --headless`: run this node's ranks, connected to the head's API server.
     Returns 0 when all ranks stopped cleanly, 1 if any failed."""
     addresses = rank_addresses(data_parallel_size, address, rpc_port, "")
-    threads = local_threads(size_local, num_threads)
+    threads = local_threads(size_local, num_threads, reserved=0)
     procs = []
     for rank in range(start_rank, start_rank + size_local):
         procs.append(

@@ -207,6 +207,7 @@ def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: 
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    logger.info("engine rank %d: %d torch thread(s)", cfg.rank, torch.get_num_threads())
     args = EngineArgs(**cfg.engine_args)
     config = args.create_engine_config()
     config = dataclasses.replace(

@@ -173,7 +173,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads per engine rank (default: this node's cores divided among its ranks)",
+        help="torch threads per engine rank (default: this node's cores less one kept for the API server, divided among its ranks; a --headless node keeps none)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     p.add_argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 import threading
@@ -157,6 +158,12 @@ async def serve(cfg: ServeConfig) -> int:
         )
     )
     engine.start(cfg.log_stats_interval)
+    # Everything allocated so far (FastAPI, pydantic models, the tokenizer) lives as long as the
+    # server: keep it out of the collector's way, as vLLM does. Full collections that walk it cost
+    # the API process 10-15 % of its CPU time while streaming (256 chat requests at concurrency
+    # 16 on the demo model: 0.85-0.96 CPU-s frozen, 0.99-1.16 not).
+    gc.collect()
+    gc.freeze()
     logger.info(
         "serving %r (%s) on http://%s:%d with %d engine rank(s)",
         cfg.served_model_name,

@@ -65,6 +65,23 @@ def test_step_delay_setting() -> None:
             step_delay_s({STEP_DELAY_ENV: bad})
 
 
+def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.engine import core_client
+
+    for cores, ranks, reserved, want in [(2, 1, 1, 1), (16, 1, 1, 15), (16, 2, 1, 7), (2, 2, 1, 1), (1, 1, 1, 1),
+                                         (16, 2, 0, 8), (2, 1, 0, 2)]:
+        monkeypatch.setattr(core_client, "usable_cores", lambda c=cores: c)
+        assert core_client.local_threads(ranks, None, reserved) == want, (cores, ranks, reserved)
+        assert core_client.local_threads(ranks, 3, reserved) == 3  # --num-threads wins
+    assert core_client.local_threads(1) == max(1, core_client.usable_cores() - 1)
+
+
+def test_served_engine_logs_its_threads(server: ServerProcess) -> None:
+    from phalanx.engine.core_client import local_threads
+
+    assert f"engine rank 0: {local_threads(1)} torch thread(s)" in server.log()
+
+
 def test_stream_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
     """A client that drops a stream mid-way aborts its request; its KV blocks come back."""
     url = slow_server.base_url

@@ -89,6 +89,8 @@ def phalanx_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Pa
     cmd = [sys.executable, "-m", "phalanx.entrypoints.cli", "serve", args.model, "--dtype", args.dtype,
            "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", str(args.max_model_len),
            "-dp", str(dp), "--log-level", "warning"]
+    if args.phalanx_threads is not None:
+        cmd += ["--num-threads", str(args.phalanx_threads)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return Server(cmd, dict(os.environ), log, args.start_timeout)
@@ -100,9 +102,10 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     launcher.write_text(VLLM_LAUNCHER)
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", TMPDIR=str(tmp), HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1")
-    # vLLM's "auto" binding reserves a core for its front end and pins the engine to the rest: one
-    # core of this 2-core machine, against phalanx's 2 torch threads. "all" gives its OpenMP threads
-    # every core, like phalanx (with -dp N each rank needs its own list: pass one with --vllm-omp-bind).
+    # vLLM's "auto" binding (its default) reserves a core for its front end and pins the engine to
+    # the rest, as phalanx serve's default thread count does. "all" gives its OpenMP threads every
+    # core (pair it with --phalanx-threads <cores>; with -dp N each rank needs its own list: pass
+    # one with --vllm-omp-bind).
     bind = args.vllm_omp_bind
     if bind == "all":
         bind = f"0-{(os.cpu_count() or 1) - 1}" if dp == 1 else "auto"
@@ -210,6 +213,7 @@ def record(engine: str, spec_name: str, dp: int, c: int, args: argparse.Namespac
         "e2el_median_ms": (res.get("e2el_ms") or {}).get("median"),
         "acceptance_length": spec.get("mean_acceptance_length"),
         **({"vllm_omp_bind": args.vllm_omp_bind, "vllm_preload": vllm_preload(args)} if engine == "vllm" else {}),
+        **({"phalanx_threads": args.phalanx_threads} if engine == "phalanx-serve" else {}),
     }
 
 
@@ -422,9 +426,12 @@ def main() -> int:
     r.add_argument("--no-baseline", dest="include_no_spec", action="store_false")
     r.add_argument("--dp", default="1", help="data-parallel sizes for server engines, comma-separated")
     r.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    r.add_argument("--vllm-omp-bind", default="all",
-                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'all' cores (dp 1; like phalanx), 'auto' (vLLM's "
-                        "default: reserves one core here), or an explicit list such as '0-1' or '0|1'")
+    r.add_argument("--vllm-omp-bind", default="auto",
+                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'auto' (vLLM's default: one core reserved for its "
+                        "front end, as phalanx serve's default), 'all' cores (dp 1), or an explicit list such as "
+                        "'0-1' or '0|1'")
+    r.add_argument("--phalanx-threads", type=int, default=None,
+                   help="--num-threads for phalanx serve (default: its own, one core reserved for the API server)")
     r.add_argument("--vllm-preload", default="auto",
                    help="LD_PRELOAD for vLLM: 'auto' (tcmalloc if installed + libiomp5.so from its venv, as its "
                         "CPU backend asks), 'none', or ':'-separated paths")

@@ -51,6 +51,9 @@ class SchedulerOutput:
     # Requests whose scheduled tokens reach their last token: they produce tokens (and drafts) this
     # step. The one source of this fact for the runner and for the lockstep vote.
     reaching_end: set[str] = field(default_factory=set)
+    # Whether the drafter proposes after this step (False: the batch holds more requests than the
+    # speculative config's disable_by_batch_size). Read by the runner and by the lockstep vote.
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

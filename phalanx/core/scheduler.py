@@ -37,11 +37,13 @@ class Scheduler:
         num_blocks: int,
         num_spec_tokens: int = 0,
         num_lookahead_slots: int = 0,
+        disable_by_batch_size: int | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_slots = num_lookahead_slots
+        self.disable_by_batch_size = disable_by_batch_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -200,6 +202,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             reaching_end=reaching_end,
+            propose_drafts=self.disable_by_batch_size is None or len(num_scheduled) <= self.disable_by_batch_size,
         )
 
     def _sibling_prefilling(self, req: Request) -> bool:

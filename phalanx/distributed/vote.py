@@ -21,7 +21,7 @@ class VoteField(enum.IntEnum):
     HAS_WORK = 0  # 1 if the rank holds unfinished requests
     NUM_TOKENS = 1  # tokens the rank's scheduler handed out this iteration
     NUM_REQS = 2  # requests in the rank's batch
-    NUM_SAMPLING = 3  # requests that reach their end this step (they get drafts)
+    NUM_SAMPLING = 3  # requests that get drafts this step (reach their end; drafting not disabled)
     SHUTDOWN = 4  # 1 if the rank is stopping
     STEP = 5  # the rank's lockstep iteration counter (all must agree)
 

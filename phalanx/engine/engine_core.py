@@ -45,6 +45,7 @@ class EngineCore:
             self.runner.num_blocks,
             num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
             num_lookahead_slots=self.runner.num_lookahead_slots,
+            disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         )
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
@@ -112,7 +113,7 @@ class EngineCore:
             has_work=self.has_unfinished_requests() or expecting_work,
             num_tokens=sched.total_num_scheduled_tokens,
             num_reqs=len(sched.num_scheduled_tokens),
-            num_sampling=len(sched.reaching_end),
+            num_sampling=len(sched.reaching_end) if sched.propose_drafts else 0,
             shutdown=shutdown,
             step=self.group.step,
         )

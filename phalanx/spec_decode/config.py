@@ -25,6 +25,7 @@ _FIELDS = (
     "prompt_lookup_max",
     "max_model_len",
     "draft_tensor_parallel_size",
+    "disable_by_batch_size",
 )
 
 
@@ -37,6 +38,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     max_model_len: int | None = None  # the drafter's own context limit
     draft_tensor_parallel_size: int = 1
+    # Draft only in steps whose batch holds at most this many requests (None: always), as vLLM's
+    # field: above it verification's extra rows cost more than the accepted tokens save.
+    disable_by_batch_size: int | None = None
 
     @property
     def uses_model(self) -> bool:
@@ -93,7 +97,10 @@ class SpeculativeConfig:
         max_len = raw.get("max_model_len")
         if max_len is not None and (not isinstance(max_len, int) or max_len < 2):
             raise ValueError(f"speculative max_model_len must be an integer >= 2, got {max_len!r}")
-        cfg = cls(method, k, model, lo, hi, max_len, 1)
+        off = raw.get("disable_by_batch_size")
+        if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 2 (or null), got {off!r}")
+        cfg = cls(method, k, model, lo, hi, max_len, 1, off)
         if model is not None:
             _check_compatible(cfg, target)
         return cfg

@@ -264,7 +264,7 @@ class ModelRunner:
             drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
             # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
             num_valid.append(q_lens[i] - drafts + max(produced - 1, 0))
-            sampled.append(produced > 0)
+            sampled.append(produced > 0 and sched.propose_drafts)
             offsets.append(offset)
             offset += q_lens[i]
         batch = ProposeBatch(

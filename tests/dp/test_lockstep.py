@@ -2,7 +2,8 @@
 
 * randomized stress per configuration (>= 200 requests): bursts, late arrivals after ranks went
   idle, one rank idle while others work, random prompt lengths and max_tokens, aborts, requests
-  past the drafter's max_model_len on one rank only — everything not aborted completes with
+  past the drafter's max_model_len on one rank only, drafting switched off by batch size on some
+  ranks and steps — everything not aborted completes with
   exactly the tokens a single rank without speculation produces, every block comes back, no hang;
 * the seed's bug reproduced on purpose: a rank skipping the drafter without the vote is reported
   by the collective check, naming both call sites, instead of hanging;
@@ -84,7 +85,11 @@ CONFIGS = {
     "dense-lockstep+eagle3-3ranks": ("dense", "eagle3", 3, dict(dp_lockstep=True)),
     "dense-lockstep+ngram": ("dense", "ngram", 2, dict(dp_lockstep=True)),
     "dense-lockstep+draft-model": ("dense", "draft", 2, dict(dp_lockstep=True)),
+    # Ranks decide on their own batch whether to draft (bursts on rank 0 switch it off there while
+    # the others draft): the vote still sizes every drafter pass for all ranks.
+    "dense-lockstep+eagle-disable-by-batch": ("dense", "eagle", 2, dict(dp_lockstep=True)),
 }
+SPEC_EXTRA = {"dense-lockstep+eagle-disable-by-batch": {"disable_by_batch_size": 3}}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -96,6 +101,8 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
         spec = {"method": "ngram", "num_speculative_tokens": 3, "max_model_len": DRAFT_MAX_LEN}
     elif drafter is not None:
         spec = {"model": str(models[drafter]), "num_speculative_tokens": 3, "max_model_len": DRAFT_MAX_LEN}
+    if spec is not None:
+        spec.update(SPEC_EXTRA.get(name, {}))
     llm_kwargs = dict(model=str(models[target]), dtype="float32", max_model_len=MAX_LEN, kv_cache_space=0.02,
                       speculative_config=spec, max_num_batched_tokens=96, block_size=8)
     results = run_ranks(ranks, llm_kwargs, dict(dp_timeout_s=30, check_collectives=True, **par), jobs,

@@ -129,6 +129,31 @@ def test_drafter_max_model_len_stops_drafting(models: dict[str, Path], reference
         assert long and all(o.outputs[0].num_draft_tokens == 0 for o in long)
 
 
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_disable_by_batch_size_drafts_only_in_small_batches(method: str, models: dict[str, Path], reference) -> None:  # noqa: ANN001
+    """vLLM's `disable_by_batch_size`: no drafts after a step of more than N requests, drafts again
+    once the batch shrinks; the output stays exactly the target's."""
+    spec = {**_spec(method, models, 3), "disable_by_batch_size": 4}
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec, max_num_batched_tokens=512)
+    proposer = llm.engine.runner.proposer
+    calls: list[tuple[int, int]] = []  # (requests in the step, requests given drafts)
+    propose = proposer.propose
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        drafts = propose(batch)
+        calls.append((len(batch.req_ids), sum(1 for d in drafts if d)))
+        return drafts
+
+    proposer.propose = spy
+    # Staggered lengths: the batch shrinks from 16 requests to 1 as they finish.
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(9, 25)]
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:m] for r, m in zip(reference, range(9, 25))]
+    assert any(n > 4 for n, _ in calls) and all(d == 0 for n, d in calls if n > 4)
+    assert any(d > 0 for n, d in calls if n <= 4)
+    assert llm.get_metrics()["spec_num_drafts"] > 0
+
+
 def test_stop_token_and_stop_string_inside_accepted_run(models: dict[str, Path], reference) -> None:  # noqa: ANN001
     prompts = _prompts()[:6]
     spec = LLM(str(models["target"]), dtype="float32", speculative_config=_self_spec(models, 5))
@@ -219,6 +244,12 @@ def test_abort_mid_run_frees_blocks(models: dict[str, Path]) -> None:
         ({"method": "ngram", "num_speculative_tokens": 3, "foo": 1}, r"unknown speculative config field\(s\) \['foo'\]"),
         ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
          "draft_tensor_parallel_size must be 1"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 1},
+         "disable_by_batch_size must be an integer >= 2 \\(or null\\), got 1"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": "8"},
+         "disable_by_batch_size must be an integer >= 2 \\(or null\\), got '8'"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": True},
+         "disable_by_batch_size must be an integer >= 2"),
     ],
 )
 def test_bad_speculative_config(spec: dict, message: str, models: dict[str, Path]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -59,10 +59,31 @@ def test_pair_kernel_is_off_where_it_would_not_match_onednn(monkeypatch: pytest.
     assert PackedLinear(torch.randn(96, 64).bfloat16(), None).pairs is None
 
 
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed linear, what PackedLinear runs above PAIR_MAX_ROWS rows."""
+    return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+
+
+def test_one_output_linear_is_a_dot_product_in_f_linear() -> None:
+    """F.linear with one output feature skips oneDNN's GEMM for a dot product that sums in another
+    order: a case the property test found, where the two round to neighbouring bf16 values. So the
+    property test compares against oneDNN's packed call, which pair_linear matches here too."""
+    module = _pair_module()
+    g = torch.Generator().manual_seed(445)
+    w = (torch.randn(1, 2265, generator=g) / 2265**0.5).bfloat16()
+    x = (torch.randn(3, 2265, generator=g) * 2).bfloat16()[1:2].contiguous()
+    assert not torch.equal(F.linear(x, w), _onednn(x, w))
+    assert torch.equal(module.pair_linear(x, module.pack_pairs(w), 1), _onednn(x, w))
+    assert torch.equal(PackedLinear(w, None)(x), _onednn(x, w))
+    wide = torch.cat([w, w])  # with two outputs F.linear is oneDNN's GEMM again
+    assert torch.equal(F.linear(x, wide), _onednn(x, wide))
+
+
 @settings(max_examples=80, deadline=None)
+@example(n=1, k=2265, rows=3, seed=445)  # F.linear's one-output dot product differs here (see above)
 @given(n=st.integers(1, 1200), k=st.integers(1, 2600), rows=st.integers(1, PAIR_MAX_ROWS), seed=st.integers(0, 2**16))
 def test_pair_linear_is_bitwise_onednn_per_row(n: int, k: int, rows: int, seed: int) -> None:
-    """The few-row kernel against oneDNN (F.linear) to the last bit, odd sizes included: every row
+    """The few-row kernel against oneDNN's packed linear to the last bit, odd sizes included: every row
     equals oneDNN's one-row result, and with K <= 512 the whole call equals oneDNN's at that row count
     (for K > 512 oneDNN's 2-4-row order is not its own one-row order, so only one can be matched;
     the kernel keeps 1-4 rows consistent instead). A request's tokens must not depend on whether its
@@ -74,10 +95,10 @@ def test_pair_linear_is_bitwise_onednn_per_row(n: int, k: int, rows: int, seed: 
     packed = module.pack_pairs(w)
     got = module.pair_linear(x, packed, n)
     for r in range(rows):
-        assert torch.equal(got[r : r + 1], F.linear(x[r : r + 1], w))
+        assert torch.equal(got[r : r + 1], _onednn(x[r : r + 1], w))
         assert torch.equal(got[r : r + 1], module.pair_linear(x[r : r + 1].contiguous(), packed, n))
     if k <= 512:
-        assert torch.equal(got, F.linear(x, w))
+        assert torch.equal(got, _onednn(x, w))
 
 
 @pytest.mark.parametrize("n,k", [(512, 256), (1408, 256), (256, 704), (925, 256), (1024, 512), (512, 1408), (64, 2000)])

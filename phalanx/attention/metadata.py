@@ -57,19 +57,33 @@ class AttentionMetadata:
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
 
-    def grid(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(block table [R, W], visible [R, Q], Q) when the whole batch is one [R, Q] query grid in
-        flat order — a uniform decode / verification / drafting batch, or a single prompt chunk
-        alone — which one attention call over the paged cache serves (``ops.cpu.fused_layer``);
-        None for mixed or padded batches."""
-        if self.uniform_decode_len:
-            assert self.dec_block_table is not None and self.dec_visible is not None
-            return self.dec_block_table, self.dec_visible, self.uniform_decode_len
-        if self.dec_token_idx is None and self.prefills is not None and len(self.prefills) == 1:
-            seq = self.prefills[0]
-            if seq.block_ids is not None and seq.visible is not None and seq.start == 0 and seq.end == self.num_tokens:
-                return seq.block_ids, seq.visible, seq.end
-        return None
+    def fused_plan(self) -> tuple | None:
+        """The attention grouping as ``ops.cpu.fused_layer`` takes it — (decode table, visible,
+        gather rows, valid grid entries, their flat rows, prefill bounds, tables, visible counts) —
+        for every batch without lockstep padding (the pseudo-request has no cache: module path);
+        None otherwise. A uniform batch is one [R, Q] grid (no gather); a lone prompt chunk is the
+        [1, q] grid of its rows. Built once per forward."""
+        key = "fused_plan"
+        if key in self.cache:
+            return self.cache[key]
+        plan = None
+        prefills = self.prefills or []
+        if all(seq.block_ids is not None and seq.visible is not None for seq in prefills):
+            if self.uniform_decode_len:
+                plan = (self.dec_block_table, self.dec_visible, None, None, None, [], [], [])
+            elif self.dec_token_idx is None and len(prefills) == 1 and prefills[0].end - prefills[0].start == self.num_tokens:
+                plan = (prefills[0].block_ids, prefills[0].visible, None, None, None, [], [], [])
+            else:
+                dec: tuple = (None, None, None, None, None)
+                if self.dec_token_idx is not None:
+                    assert self.dec_valid is not None
+                    idx = self.dec_token_idx.reshape(-1)
+                    sel = torch.from_numpy(np.flatnonzero(self.dec_valid.numpy().reshape(-1)))
+                    dec = (self.dec_block_table, self.dec_visible, idx, sel, idx[sel])
+                bounds = [b for seq in prefills for b in (seq.start, seq.end)]
+                plan = (*dec, bounds, [seq.block_ids for seq in prefills], [seq.visible for seq in prefills])
+        self.cache[key] = plan
+        return plan
 
 
 IntArray = torch.Tensor | np.ndarray | Sequence[int]

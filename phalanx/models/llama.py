@@ -103,14 +103,14 @@ class DecoderLayer(nn.Module):
         ``residual`` is None); returns the same split for the stream leaving it (the MLP's output,
         and the stream before it), so the add that closes a layer is fused into the next layer's
         input norm (`RMSNorm.add_forward`: the same sum, rounded once, as ``x + mlp(h)``)."""
-        grid = meta.grid()
-        if grid is not None and delta.is_contiguous():
+        plan = meta.fused_plan()
+        if plan is not None and delta.is_contiguous():
             fused = self.fused_form()
             if fused is not None and attention_kernel(delta.dtype, meta) is not None:
                 p = fused.parts
                 cos, sin = p.rotary.tables(meta.positions, delta.dtype, meta.cache)
                 return p.kernel.fused_layer(delta, residual, fused.ln1, *p.layer_args(), cos, sin, kv_cache,
-                                            meta.slot_mapping, *grid)
+                                            meta.slot_mapping, *plan)
         if residual is None:
             x_in, residual = self.input_layernorm(delta), delta
         else:

@@ -848,11 +848,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::T
   return out;
 }
 
-// ---- one whole decoder layer in one call (decode, verification, drafting, a lone prompt chunk) -----
+// ---- one whole decoder layer in one call (any batch without lockstep padding) ----------------------
 // Llama's layer as the module path runs it on the kernels above: the input norm (or none: an EAGLE-1
 // head's first layer; with `residual`, the residual add fused into it), the qkv projection, rotary
-// on queries and keys, the KV write, the decode attention over the batch's [R, Q] grid (every request
-// the same query length Q, the flat batch in order), o_proj, the add + post-attention norm, gate/up,
+// on queries and keys, the KV write, the paged attention grouped as the module path groups it (one
+// [R, Q] grid for a uniform batch, else the decode group and each prefill chunk: `AttnPlan`,
+// `attend`), o_proj, the add + post-attention norm, gate/up,
 // SiLU-and-multiply, down. The same functions in the same order as the module path
 // (``models.llama.DecoderLayer.forward_split``), so the result is bitwise the same; what it saves is
 // the ~15 Python-level calls and ~10 dispatches per layer, which at a few rows cost more than the
@@ -885,6 +886,50 @@ torch::Tensor apply(const Linear& l, const torch::Tensor& x, int64_t pair_rows) 
   return onednn_linear(x, l);
 }
 
+// Where a layer's queries attend, grouped as the module path groups them (``attention.torch_paged``):
+// the decode group's [Bd, Qd] query grid over `dec_table` / `dec_visible` (undefined: none) — the flat
+// batch itself when `dec_idx` is undefined, else gathered from flat rows `dec_idx` [Bd * Qd] (padded)
+// with grid entries `dec_sel` landing on flat rows `dec_rows` — then each prefill chunk, flat rows
+// [start, end) as a [1, q] grid over its own table and visible counts.
+struct AttnPlan {
+  torch::Tensor dec_table, dec_visible, dec_idx, dec_sel, dec_rows;
+  std::vector<int64_t> pre_bounds;  // start, end of each prefill chunk
+  std::vector<torch::Tensor> pre_tables, pre_visibles;
+};
+
+AttnPlan grid_plan(torch::Tensor block_table, torch::Tensor visible) { return {block_table, visible}; }
+
+// q [T, H, D] (rotated) -> attention output [T, H * D]
+torch::Tensor attend(const AttnPlan& a, const torch::Tensor& q, const torch::Tensor& kv_cache, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  if (!a.dec_idx.defined() && a.pre_tables.empty()) {  // the flat batch is one [R, Q] grid, rows in order
+    TORCH_CHECK(a.dec_table.defined() && a.dec_visible.dim() == 2, "fused layer: no attention grid");
+    const int64_t Q = a.dec_visible.size(1);
+    TORCH_CHECK(Q > 0 && T % Q == 0, "fused layer: ", T, " tokens are not whole requests of ", Q);
+    return decode_attention(q.reshape({T / Q, Q, H, D}), kv_cache, a.dec_table, a.dec_visible, scale).view({T, H * D});
+  }
+  auto out = torch::empty({T, H, D}, q.options());
+  if (a.dec_table.defined()) {
+    TORCH_CHECK(a.dec_idx.defined() && a.dec_sel.defined() && a.dec_rows.defined() && a.dec_visible.dim() == 2 &&
+                    a.dec_idx.numel() == a.dec_visible.numel() && a.dec_sel.numel() == a.dec_rows.numel(),
+                "fused layer: the decode group needs dec_idx [Bd * Qd], dec_sel and dec_rows of one length");
+    const int64_t Bd = a.dec_visible.size(0), Qd = a.dec_visible.size(1);
+    auto od = decode_attention(q.index_select(0, a.dec_idx).view({Bd, Qd, H, D}), kv_cache, a.dec_table,
+                               a.dec_visible, scale);
+    out.index_copy_(0, a.dec_rows, od.view({Bd * Qd, H, D}).index_select(0, a.dec_sel));
+  }
+  TORCH_CHECK(a.pre_bounds.size() == 2 * a.pre_tables.size() && a.pre_tables.size() == a.pre_visibles.size(),
+              "fused layer: each prefill chunk needs its start and end, block table and visible counts");
+  for (size_t i = 0; i < a.pre_tables.size(); ++i) {
+    const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= T, "fused layer: prefill chunk [", start, ", ", end,
+                ") outside the batch's ", T, " tokens");
+    out.slice(0, start, end).copy_(
+        decode_attention(q.slice(0, start, end).unsqueeze(0), kv_cache, a.pre_tables[i], a.pre_visibles[i], scale)[0]);
+  }
+  return out.view({T, H * D});
+}
+
 struct LayerWeights {
   c10::optional<torch::Tensor> ln1;
   torch::Tensor ln2;
@@ -910,16 +955,13 @@ LayerWeights layer_weights(c10::optional<torch::Tensor> ln1, torch::Tensor ln2, 
 // The layer from its attention input `x_in` and the residual stream `res` on: returns (the MLP's
 // output, the residual stream before it).
 std::vector<torch::Tensor> attn_mlp(const LayerWeights& w, torch::Tensor x_in, torch::Tensor res, torch::Tensor cos,
-                                    torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
-                                    torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+                                    torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots, const AttnPlan& plan) {
   const int64_t H = w.H, KVH = w.KVH, D = w.D, T = x_in.size(0);
-  TORCH_CHECK(qlen > 0 && T % qlen == 0, "fused layer: ", T, " tokens are not whole requests of ", qlen);
   auto qkv = apply(w.qkv, x_in, w.pair_rows);  // [T, (H + 2 KVH) D]
   auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
   auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
   cache_write(kv_cache, qk.slice(1, H, H + KVH), v, slots);
-  auto q = qk.slice(1, 0, H).reshape({T / qlen, qlen, H, D});
-  auto attn = decode_attention(q, kv_cache, block_table, visible, w.scale).view({T, H * D});
+  auto attn = attend(plan, qk.slice(1, 0, H), kv_cache, w.scale);
   auto o = apply(w.o, attn, w.pair_rows);
   auto post = rms_norm_impl(o, res, w.ln2, w.eps);  // (norm(o + res), o + res)
   auto act = silu_mul(apply(w.gate_up, post[0], w.pair_rows));
@@ -930,14 +972,14 @@ std::vector<torch::Tensor> attn_mlp(const LayerWeights& w, torch::Tensor x_in, t
 // it), then `attn_mlp`.
 std::vector<torch::Tensor> layer_impl(const LayerWeights& w, torch::Tensor delta, c10::optional<torch::Tensor> residual,
                                       torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
-                                      torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+                                      const AttnPlan& plan) {
   if (residual.has_value()) {
     TORCH_CHECK(w.ln1.has_value(), "fused layer: a residual needs the input norm");
     auto r = rms_norm_impl(delta, residual, *w.ln1, w.eps);
-    return attn_mlp(w, r[0], r[1], cos, sin, kv_cache, slots, block_table, visible, qlen);
+    return attn_mlp(w, r[0], r[1], cos, sin, kv_cache, slots, plan);
   }
   auto x_in = w.ln1.has_value() ? rms_norm_impl(delta, c10::nullopt, *w.ln1, w.eps)[0] : delta.contiguous();
-  return attn_mlp(w, x_in, delta, cos, sin, kv_cache, slots, block_table, visible, qlen);
+  return attn_mlp(w, x_in, delta, cos, sin, kv_cache, slots, plan);
 }
 
 std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch::Tensor> residual,
@@ -945,9 +987,15 @@ std::vector<torch::Tensor> fused_layer(torch::Tensor delta, c10::optional<torch:
                                        std::vector<torch::Tensor> linears, std::vector<int64_t> widths,
                                        std::vector<int64_t> heads, double scale, int64_t pair_rows, torch::Tensor cos,
                                        torch::Tensor sin, torch::Tensor kv_cache, torch::Tensor slots,
-                                       torch::Tensor block_table, torch::Tensor visible, int64_t qlen) {
+                                       c10::optional<torch::Tensor> dec_table, c10::optional<torch::Tensor> dec_visible,
+                                       c10::optional<torch::Tensor> dec_idx, c10::optional<torch::Tensor> dec_sel,
+                                       c10::optional<torch::Tensor> dec_rows, std::vector<int64_t> pre_bounds,
+                                       std::vector<torch::Tensor> pre_tables, std::vector<torch::Tensor> pre_visibles) {
+  auto get = [](const c10::optional<torch::Tensor>& t) { return t.has_value() ? *t : torch::Tensor(); };
+  const AttnPlan plan{get(dec_table), get(dec_visible), get(dec_idx), get(dec_sel), get(dec_rows),
+                      pre_bounds, pre_tables, pre_visibles};
   return layer_impl(layer_weights(ln1, ln2, eps, linears, widths, heads, scale, pair_rows), delta, residual, cos, sin,
-                    kv_cache, slots, block_table, visible, qlen);
+                    kv_cache, slots, plan);
 }
 
 // Positions and KV slots of a drafting pass's [R, q] grid: request r's tokens at start[r] + shift + i.
@@ -1029,10 +1077,10 @@ torch::Tensor eagle_chain(torch::Tensor ids, torch::Tensor feed, torch::Tensor s
     if (is3) {
       auto x = torch::cat({rms_norm_impl(embeds, c10::nullopt, eagle3[0], eps)[0],
                            rms_norm_impl(feed, c10::nullopt, eagle3[1], eps)[0]}, 1);
-      layer = attn_mlp(w, x, feed, cos, sin, kv_cache, slots, block_table, visible, q);
+      layer = attn_mlp(w, x, feed, cos, sin, kv_cache, slots, grid_plan(block_table, visible));
     } else {
       auto x = apply(fc_l, torch::cat({embeds, feed}, 1), pair_rows);
-      layer = attn_mlp(w, x, x, cos, sin, kv_cache, slots, block_table, visible, q);
+      layer = attn_mlp(w, x, x, cos, sin, kv_cache, slots, grid_plan(block_table, visible));
     }
     feed = last_rows(layer[1] + layer[0], R, q);
     auto for_logits = is3 ? rms_norm_impl(feed, c10::nullopt, eagle3[2], eps)[0] : feed;
@@ -1079,7 +1127,7 @@ torch::Tensor model_chain(torch::Tensor ids, torch::Tensor start, int64_t qlen, 
     torch::Tensor delta = embed.index_select(0, ids);
     c10::optional<torch::Tensor> residual;
     for (size_t l = 0; l < w.size(); ++l) {
-      auto out = layer_impl(w[l], delta, residual, cos, sin, kv_caches[l], ps[1], block_table, visible, q);
+      auto out = layer_impl(w[l], delta, residual, cos, sin, kv_caches[l], ps[1], grid_plan(block_table, visible));
       delta = out[0];
       residual = out[1];
     }

@@ -61,6 +61,10 @@ def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_p
         ([4] * 5, [30, 2, 60, 17, 9]),
         ([40], [0]),  # a lone prompt
         ([25], [16]),  # a lone later chunk of a prompt
+        ([30, 1], [0, 7]),  # a prompt joining a decode: the decode group gathered, the chunk in place
+        ([1, 4, 1, 25], [10, 20, 3, 0]),  # a padded [3, 4] decode group around a prompt
+        ([30, 20], [0, 0]),  # two prompts
+        ([1, 3, 40, 2, 17, 1], [33, 12, 0, 50, 16, 5]),  # 17 tokens: past the decode group's 16
     ],
 )
 def test_fused_layer_is_bitwise_the_module_path(llm: LLM, q_lens: list[int], num_computed: list[int],
@@ -83,29 +87,33 @@ def test_fused_layer_is_bitwise_the_module_path(llm: LLM, q_lens: list[int], num
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, module_caches))  # the same KV writes
 
 
-def test_only_one_grid_batches_are_fused() -> None:
+def test_fused_plan_groups_attention_as_the_module_path() -> None:
     table = torch.arange(1, 13).view(3, 4)
     uniform = build_attention_metadata(torch.tensor([2, 2, 2]), torch.tensor([5, 9, 0]), table, BLOCK)
-    block_table, visible, q = uniform.grid()
-    assert q == 2 and torch.equal(visible, torch.tensor([[6, 7], [10, 11], [1, 2]]))
+    block_table, visible, *rest = uniform.fused_plan()
+    assert torch.equal(visible, torch.tensor([[6, 7], [10, 11], [1, 2]])) and rest == [None, None, None, [], [], []]
     lone = build_attention_metadata(torch.tensor([30]), torch.tensor([4]), table[:1], BLOCK)
-    block_table, visible, q = lone.grid()
-    assert q == 30 and torch.equal(visible[0], torch.arange(5, 35)) and block_table.shape == (1, 3)
-    mixed = build_attention_metadata(torch.tensor([30, 1]), torch.tensor([0, 7]), table[:2], BLOCK)
-    assert mixed.grid() is None
+    block_table, visible, *rest = lone.fused_plan()
+    assert torch.equal(visible[0], torch.arange(5, 35)) and block_table.shape == (1, 3) and rest[0] is None
+    # [p0 .. p29 | d30 | v31 v32 v33]: a prompt, then a decode and a 3-token verification (the group)
+    mixed = build_attention_metadata(torch.tensor([30, 1, 3]), torch.tensor([0, 7, 9]), table, BLOCK)
+    dec_table, dec_visible, idx, sel, rows, bounds, tables, visibles = mixed.fused_plan()
+    assert torch.equal(dec_visible, torch.tensor([[8, 9, 10], [10, 11, 12]]))
+    assert idx.tolist() == [30, 0, 0, 31, 32, 33] and sel.tolist() == [0, 3, 4, 5] and rows.tolist() == [30, 31, 32, 33]
+    assert bounds == [0, 30] and len(tables) == 1 and torch.equal(visibles[0][0], torch.arange(1, 31))
     two_prompts = build_attention_metadata(torch.tensor([30, 20]), torch.tensor([0, 0]), table[:2], BLOCK)
-    assert two_prompts.grid() is None
+    assert two_prompts.fused_plan()[:5] == (None,) * 5 and two_prompts.fused_plan()[5] == [0, 30, 30, 50]
     padded = build_attention_metadata(torch.tensor([1, 1]), torch.tensor([3, 4]), table[:2], BLOCK, num_pad=2)
-    assert padded.grid() is None  # lockstep padding: the module path
+    assert padded.fused_plan() is None  # lockstep padding: the module path
 
 
-def test_mixed_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_padded_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     model = llm.engine.runner.model
     kernel = model.model.layers[0].fused_form().parts.kernel
-    monkeypatch.setattr(kernel, "fused_layer", lambda *a: pytest.fail("a mixed batch has no single grid"))
+    monkeypatch.setattr(kernel, "fused_layer", lambda *a: pytest.fail("lockstep padding has no cache rows"))
     table = torch.arange(1, 13).view(2, 6)
-    out, _ = _forward(model, torch.arange(31), _caches(llm, 2), [30, 1], [0, 7], table, fused=True)
-    assert out.shape == (31, 128)
+    out, _ = _forward(model, torch.arange(33), _caches(llm, 2), [30, 1], [0, 7], table, fused=True, num_pad=2)
+    assert out.shape == (33, 128)
 
 
 def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
@@ -115,13 +123,22 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     x = torch.randn(3, 128).bfloat16()
     cos, sin = rotary.tables(torch.arange(3), torch.bfloat16, {})
     cache = _caches(llm, 3)[0]
-    args = (cos, sin, cache, torch.arange(3), torch.ones(1, 1, dtype=torch.int64), torch.full((1, 3), 3), 3)
+    one = torch.ones(1, 1, dtype=torch.int64)
+    grid = (one, torch.full((1, 3), 3), None, None, None, [], [], [])
+    args = (cos, sin, cache, torch.arange(3), *grid)
     with pytest.raises(RuntimeError, match="qkv width disagrees with the heads"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, [heads[0] + 1, *heads[1:]], scale, pair_rows, *args)
     with pytest.raises(RuntimeError, match="3 tokens are not whole requests of 2"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, *args[:-1], 2)
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+                           torch.arange(3), one, torch.full((1, 2), 2), None, None, None, [], [], [])
     with pytest.raises(RuntimeError, match="linears are"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
+    with pytest.raises(RuntimeError, match=r"prefill chunk \[1, 5\) outside the batch's 3 tokens"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+                           torch.arange(3), None, None, None, None, None, [1, 5], [one], [torch.full((1, 4), 4)])
+    with pytest.raises(RuntimeError, match="each prefill chunk needs its start and end"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+                           torch.arange(3), None, None, None, None, None, [0], [one], [torch.full((1, 3), 3)])
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])

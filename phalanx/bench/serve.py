@@ -100,12 +100,16 @@ async def send_request(
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
                 return result
+            done = False
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+                # After [DONE] read on to the end of the body: a response left unread closes its
+                # connection, and the next request would open a new one.
+                if done or not line.startswith("data:"):
                     continue
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
-                    break
+                    done = True
+                    continue
                 now = time.perf_counter()
                 chunk = json.loads(data)
                 if "error" in chunk:

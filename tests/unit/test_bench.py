@@ -230,3 +230,32 @@ def test_send_request_parses_sse_usage_and_http_errors() -> None:
     assert ok.success and ok.output_tokens == 3 and ok.prompt_len == 7 and len(ok.chunk_times) == 2
     assert ok.start <= ok.chunk_times[0] <= ok.end
     assert not bad.success and bad.error.startswith("HTTP 400")
+
+
+def test_send_request_reads_the_stream_to_its_end() -> None:
+    """After [DONE] the client drains the body (an unread response closes its connection, so every
+    request would open a new one) and parses nothing more."""
+    import asyncio
+
+    import httpx
+
+    from phalanx.bench.serve import send_request
+
+    drained = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):  # noqa: ANN204
+            yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+            yield b"data: [DONE]\n\n"
+            yield b"data: {not json after the end\n\n"
+            drained.append(True)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+
+    async def go():  # noqa: ANN202
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send_request(client, "http://x/v1/completions", {}, 5, {})
+
+    result = asyncio.run(go())
+    assert result.success and not result.error and result.output_tokens == 1 and drained == [True]

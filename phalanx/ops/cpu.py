@@ -920,10 +920,16 @@ torch::Tensor attend(const AttnPlan& a, const torch::Tensor& q, const torch::Ten
   }
   TORCH_CHECK(a.pre_bounds.size() == 2 * a.pre_tables.size() && a.pre_tables.size() == a.pre_visibles.size(),
               "fused layer: each prefill chunk needs its start and end, block table and visible counts");
+  int64_t covered = a.dec_rows.defined() ? a.dec_rows.numel() : 0;
   for (size_t i = 0; i < a.pre_tables.size(); ++i) {
     const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
     TORCH_CHECK(0 <= start && start < end && end <= T, "fused layer: prefill chunk [", start, ", ", end,
                 ") outside the batch's ", T, " tokens");
+    covered += end - start;
+  }
+  TORCH_CHECK(covered == T, "fused layer: the attention plan covers ", covered, " of the batch's ", T, " tokens");
+  for (size_t i = 0; i < a.pre_tables.size(); ++i) {
+    const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
     out.slice(0, start, end).copy_(
         decode_attention(q.slice(0, start, end).unsqueeze(0), kv_cache, a.pre_tables[i], a.pre_visibles[i], scale)[0]);
   }

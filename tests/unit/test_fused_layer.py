@@ -136,6 +136,9 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     with pytest.raises(RuntimeError, match=r"prefill chunk \[1, 5\) outside the batch's 3 tokens"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [1, 5], [one], [torch.full((1, 4), 4)])
+    with pytest.raises(RuntimeError, match="the attention plan covers 2 of the batch's 3 tokens"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+                           torch.arange(3), None, None, None, None, None, [0, 2], [one], [torch.full((1, 2), 2)])
     with pytest.raises(RuntimeError, match="each prefill chunk needs its start and end"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [0], [one], [torch.full((1, 3), 3)])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +36,23 @@ class PrefillSeq:
     # [1, num_blocks] covering num_computed + q_len; None for lockstep padding (which has no cache)
     block_ids: torch.Tensor | None
     visible: torch.Tensor | None = None  # [1, q_len] int64: keys each query attends (causal), as dec_visible
+
+
+class AttentionPlan(NamedTuple):
+    """The attention grouping as ``ops.cpu.fused_layer`` takes it (its last eight arguments, in order):
+    the decode group's [Bd, Qd] grid — its block table and visible counts, and, unless the flat batch
+    is that grid (gather is None), the flat rows gathered into it (padded), the grid entries that are
+    real and the flat rows they land on — then each prefill chunk's [start, end) bounds (flattened),
+    block table and visible counts."""
+
+    dec_table: torch.Tensor | None
+    dec_visible: torch.Tensor | None
+    gather: torch.Tensor | None  # [Bd * Qd] flat rows
+    real: torch.Tensor | None  # grid entries that are real queries
+    real_rows: torch.Tensor | None  # their flat rows
+    prefill_bounds: list[int]
+    prefill_tables: list[torch.Tensor]
+    prefill_visible: list[torch.Tensor]
 
 
 @dataclass
@@ -57,12 +75,11 @@ class AttentionMetadata:
     # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
     cache: dict = field(default_factory=dict)
 
-    def fused_plan(self) -> tuple | None:
-        """The attention grouping as ``ops.cpu.fused_layer`` takes it — (decode table, visible,
-        gather rows, valid grid entries, their flat rows, prefill bounds, tables, visible counts) —
-        for every batch without lockstep padding (the pseudo-request has no cache: module path);
-        None otherwise. A uniform batch is one [R, Q] grid (no gather); a lone prompt chunk is the
-        [1, q] grid of its rows. Built once per forward."""
+    def fused_plan(self) -> AttentionPlan | None:
+        """The attention grouping for ``ops.cpu.fused_layer``, for every batch without lockstep
+        padding (its pseudo-request has no cache: the module path); None otherwise. A uniform batch
+        is one [R, Q] grid and a lone prompt chunk the [1, q] grid of its rows (no gather). Built once
+        per forward."""
         key = "fused_plan"
         if key in self.cache:
             return self.cache[key]
@@ -70,18 +87,25 @@ class AttentionMetadata:
         prefills = self.prefills or []
         if all(seq.block_ids is not None and seq.visible is not None for seq in prefills):
             if self.uniform_decode_len:
-                plan = (self.dec_block_table, self.dec_visible, None, None, None, [], [], [])
+                plan = AttentionPlan(self.dec_block_table, self.dec_visible, None, None, None, [], [], [])
             elif self.dec_token_idx is None and len(prefills) == 1 and prefills[0].end - prefills[0].start == self.num_tokens:
-                plan = (prefills[0].block_ids, prefills[0].visible, None, None, None, [], [], [])
+                plan = AttentionPlan(prefills[0].block_ids, prefills[0].visible, None, None, None, [], [], [])
             else:
-                dec: tuple = (None, None, None, None, None)
+                gather = real = None
                 if self.dec_token_idx is not None:
                     assert self.dec_valid is not None
-                    idx = self.dec_token_idx.reshape(-1)
-                    sel = torch.from_numpy(np.flatnonzero(self.dec_valid.numpy().reshape(-1)))
-                    dec = (self.dec_block_table, self.dec_visible, idx, sel, idx[sel])
-                bounds = [b for seq in prefills for b in (seq.start, seq.end)]
-                plan = (*dec, bounds, [seq.block_ids for seq in prefills], [seq.visible for seq in prefills])
+                    gather = self.dec_token_idx.reshape(-1)
+                    real = torch.from_numpy(np.flatnonzero(self.dec_valid.numpy().reshape(-1)))
+                plan = AttentionPlan(
+                    self.dec_block_table,
+                    self.dec_visible,
+                    gather,
+                    real,
+                    None if gather is None else gather[real],
+                    [b for seq in prefills for b in (seq.start, seq.end)],
+                    [seq.block_ids for seq in prefills],  # type: ignore[misc]
+                    [seq.visible for seq in prefills],  # type: ignore[misc]
+                )
         self.cache[key] = plan
         return plan
 

@@ -88,10 +88,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -86,11 +86,3 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
-
-    def reset_prefix_cache(self) -> bool:
-        if len(self._free) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-        return True

@@ -108,9 +108,6 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._parents)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._parents
-
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> list[tuple[str, SamplingParams]]:

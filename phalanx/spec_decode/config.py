@@ -42,10 +42,6 @@ class SpeculativeConfig:
     # field: above it verification's extra rows cost more than the accepted tokens save.
     disable_by_batch_size: int | None = None
 
-    @property
-    def uses_model(self) -> bool:
-        return self.method in _MODEL_METHODS
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | str, target: ModelConfig) -> SpeculativeConfig:
         if isinstance(raw, str):

@@ -114,9 +114,6 @@ class ModelRunner:
                 allocate_kv_caches(draft_specs, self.num_blocks, self.block_size, cfg.model.dtype)
             )
         self.aux_layer_ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
-        # Test-only switch (never set in production): skip the drafter without the vote, which is
-        # exactly the seed's bug; the collective check must report it instead of hanging.
-        self.skip_drafter_for_test = False
         self._pass_sizes: tuple[int, ...] | None = None  # this step's voted drafter pass sizes
         self.eos_token_ids = set(cfg.model.eos_token_ids)
         self.sampler = Sampler(cfg.seed)
@@ -234,14 +231,11 @@ class ModelRunner:
         model_drafter = self.num_lookahead_slots > 0
         if self.proposer is not None and (plan is None or not model_drafter or plan.draft_pass_sizes):
             pass_sizes = None if plan is None else plan.draft_pass_sizes
-            if self.skip_drafter_for_test:
-                pass  # test-only: reproduces the seed's bug (a rank skipping the drafter unvoted)
-            else:
-                t0 = time.perf_counter()
-                out.spec_token_ids = self._propose(
-                    sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out, pass_sizes
-                )
-                self.drafter_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out.spec_token_ids = self._propose(
+                sched, req_ids, q_lens, num_computed, block_table, hidden, aux, out, pass_sizes
+            )
+            self.drafter_seconds += time.perf_counter() - t0
         return out
 
     def _propose(

@@ -111,7 +111,9 @@ class ServingMetrics:
             m + ["finished_reason"],
             registry=r,
         )
-        self.prompt_tokens = Counter("phalanx:prompt_tokens", "Prefill tokens processed.", m, registry=r)
+        self.prompt_tokens = Counter(
+            "phalanx:prompt_tokens", "Prompt tokens received (once per prompt, whatever its n).", m, registry=r
+        )
         self.generation_tokens = Counter("phalanx:generation_tokens", "Generated tokens.", m, registry=r)
         self.ttft = Histogram(
             "phalanx:time_to_first_token_seconds",

@@ -106,7 +106,7 @@ class AsyncLLM:
             self.client.add_requests(
                 [EngineCoreRequest(cid, list(prompt_token_ids), p, stream.arrival) for cid, p in engine_reqs]
             )
-            self.metrics.on_prompt(len(prompt_token_ids) * len(engine_reqs))
+            self.metrics.on_prompt(len(prompt_token_ids))  # one prompt, however many samples share it
             while True:
                 item = await stream.queue.get()
                 # Outputs are cumulative: when the consumer fell behind, only the newest matters.

@@ -1,0 +1,74 @@
+"""An in-process stand-in for the engine processes, for tests of the API server's front end.
+
+`FakeEngineClient` has the surface `AsyncLLM` uses of `EngineCoreClient` (add / abort requests,
+`recv`, liveness, vocabulary size, context length). It records every engine request it is sent and
+answers each with a fixed list of tokens, then finish reason "length". `fake_app` builds the real
+FastAPI app around it, so HTTP tests run without spawning processes and can assert how much work
+reached the engine (none, for a request rejected with a 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+
+from phalanx.core.outputs import EngineCoreOutput
+from phalanx.engine.core_process import EngineMessage, EngineOutputs
+from phalanx.engine.engine_core import EngineCoreRequest
+from phalanx.engine.metrics import ServingMetrics
+from phalanx.entrypoints.async_llm import AsyncLLM
+
+
+class FakeEngineClient:
+    def __init__(self, vocab_size: int, max_model_len: int, tokens: tuple[int, ...] = (65, 66, 67)) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokens = tokens
+        self.added: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+        self.dead_message: str | None = None
+        self._queue: asyncio.Queue[EngineMessage] = asyncio.Queue()
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> int:
+        self.added.extend(requests)
+        for r in requests:
+            n = min(len(self.tokens), r.sampling_params.max_tokens or len(self.tokens))
+            out = EngineCoreOutput(r.req_id, list(self.tokens[:n]), finish_reason="length")
+            self._queue.put_nowait(EngineOutputs(0, [out]))
+        return 0
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.aborted.extend(req_ids)
+
+    def mark_finished(self, req_id: str) -> None:
+        pass
+
+    async def recv(self) -> EngineMessage:
+        return await self._queue.get()
+
+    def dead_rank(self) -> None:
+        return None
+
+
+@asynccontextmanager
+async def fake_app(
+    tokenizer: Any | None, vocab_size: int, max_model_len: int = 256
+) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngineClient, AsyncLLM]]:
+    """The real server app on a fake engine: (HTTP client, fake engine client, AsyncLLM)."""
+    from phalanx.entrypoints.openai.server import build_app, make_state
+
+    client = FakeEngineClient(vocab_size, max_model_len)
+    metrics = ServingMetrics("tiny")
+    engine = AsyncLLM(client, tokenizer, metrics)  # type: ignore[arg-type]
+    engine.start(None)
+    app = build_app(make_state(engine, tokenizer, metrics, "tiny", "/nowhere", None))
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            yield http, client, engine
+    finally:
+        await engine.stop()

@@ -14,9 +14,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from phalanx import checkpoint
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -27,33 +30,40 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# The MLP activations of the supported architectures (HF `hidden_act` names); every one of them is
+# SiLU (x * sigmoid(x)), which is all the gated MLP and its kernels compute.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
+# Accepted dtype names -> torch attribute names (torch itself is imported only when a dtype is resolved,
+# so the configuration and the scheduler stay importable without it).
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
 
 def parse_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
     """Resolve a user dtype ("auto" / name / torch.dtype) against the checkpoint's own dtype."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         if config_dtype is None:
             return torch.float32
         name = str(config_dtype).removeprefix("torch.")
-        return _DTYPES.get(name, torch.float32)
+        return getattr(torch, _DTYPES.get(name, "float32"))
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; valid: 'auto', 'float32', 'bfloat16', 'float16'")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -106,23 +116,20 @@ class ModelConfig:
     def from_hf(
         cls, path: str | os.PathLike[str], dtype: str | torch.dtype = "auto", max_model_len: int | None = None
     ) -> ModelConfig:
-        folder = Path(path)
-        if not folder.is_dir():
+        path = str(path)
+        if not Path(path).exists():
             raise FileNotFoundError(
-                f"model folder {str(path)!r} does not exist; pass a local Hugging Face checkpoint folder "
-                "(with config.json and *.safetensors) or a built-in model name"
+                f"model {path!r} does not exist; pass a local Hugging Face checkpoint folder (config.json and "
+                "*.safetensors), a .gguf file, a hub id or a built-in model name"
             )
-        cfg_file = folder / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{str(cfg_file)!r} not found: {str(path)!r} is not a Hugging Face model folder")
-        hf = _read_json(cfg_file)
+        hf = checkpoint.hf_config(path)
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"architecture {arch!r} of {str(path)!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} of {path!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        return cls._from_dict(str(folder), arch, hf, dtype, max_model_len)
+        return cls._from_dict(path, arch, hf, dtype, max_model_len)
 
     @classmethod
     def _from_dict(
@@ -161,6 +168,11 @@ class ModelConfig:
                 f"full attention only: set max_model_len <= {window} (currently {max_model_len}) or "
                 "disable the window in config.json"
             )
+        hidden_act = str(hf.get("hidden_act") or hf.get("hidden_activation") or "silu")
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {hidden_act!r} of {path!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
         config_dtype = hf.get("dtype") or hf.get("torch_dtype")
         num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
         num_layers = int(hf["num_hidden_layers"])
@@ -189,7 +201,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)) or arch.startswith("Qwen2"),
             qk_norm=arch.startswith("Qwen3"),
-            hidden_act=str(hf.get("hidden_act", "silu")),
+            hidden_act=hidden_act,
             eos_token_ids=eos,
             num_experts=num_experts,
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),

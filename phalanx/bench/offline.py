@@ -18,7 +18,7 @@ from typing import Any
 
 from phalanx.bench.datasets import BenchPrompt, load_jsonl, random_prompts
 from phalanx.bench.metrics import describe
-from phalanx.entrypoints.cli import json_object_arg as _json_object
+from phalanx.cli_types import json_object_arg as _json_object
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

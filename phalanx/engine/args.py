@@ -1,24 +1,17 @@
 """Engine arguments shared by the offline `LLM` and `phalanx serve`, and their conversion into
 a validated `EngineConfig`.
 
-Owns: defaults, resolving built-in model names, the max_model_len default.
+Owns: defaults and the max_model_len default. Model names are resolved by ``phalanx.checkpoint``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx.checkpoint import resolve_model_path
 from phalanx.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Built-in demo model names map to folders inside the package; anything else is a path."""
-    try:
-        from phalanx.demo import resolve_model_path as resolve_builtin
-    except ImportError:  # demo package absent
-        return name_or_path
-    return resolve_builtin(name_or_path)
 
 
 @dataclass
@@ -39,9 +32,16 @@ class EngineArgs:
     dp_timeout: float = 60.0
     dp_check_collectives: bool = False
     speculative_config: dict[str, Any] | str | None = None
+    # End-of-sequence ids the tokenizer knows besides the checkpoint's (generation_config / config):
+    # merged into ModelConfig.eos_token_ids, the one set that both stops requests and is banned before
+    # min_tokens. The front end that loads the tokenizer fills it in (LLM, phalanx serve).
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     def create_engine_config(self) -> EngineConfig:
         model = ModelConfig.from_hf(resolve_model_path(self.model), self.dtype, self.max_model_len)
+        extra = [int(t) for t in self.extra_eos_token_ids if int(t) not in model.eos_token_ids]
+        if extra:
+            model = dataclasses.replace(model, eos_token_ids=(*model.eos_token_ids, *extra))
         max_len = model.max_model_len
         spec = None
         if self.speculative_config is not None:

@@ -17,7 +17,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -63,7 +63,6 @@ class RankHandle:
 class EngineClientConfig:
     engine_args: Any  # EngineArgs
     data_parallel_size: int = 1
-    extra_eos_token_ids: list[int] = field(default_factory=list)
     log_level: str = "info"
     startup_timeout_s: float = 600.0
     # Multi-node: this node runs ranks [start_rank, start_rank + size_local); the others connect
@@ -174,7 +173,6 @@ class EngineCoreClient:
                         data_parallel_size=dp,
                         input_address=address,
                         output_address=self._output_address,
-                        extra_eos_token_ids=list(cfg.extra_eos_token_ids),
                         log_level=cfg.log_level,
                         num_threads=threads,
                         dist_init_method=self._addresses.dist_init_method,
@@ -330,7 +328,6 @@ def run_headless(
     address: str,
     rpc_port: int,
     log_level: str = "info",
-    extra_eos_token_ids: list[int] | None = None,
     num_threads: int | None = None,
 ) -> int:
     """`phalanx serve --headless`: run this node's ranks, connected to the head's API server.
@@ -347,7 +344,6 @@ def run_headless(
                     data_parallel_size=data_parallel_size,
                     input_address=addresses.inputs[rank],
                     output_address=addresses.output,
-                    extra_eos_token_ids=list(extra_eos_token_ids or []),
                     log_level=log_level,
                     num_threads=threads,
                     dist_init_method=addresses.dist_init_method,

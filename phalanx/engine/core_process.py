@@ -109,7 +109,6 @@ class EngineProcessConfig(msgspec.Struct):
     data_parallel_size: int
     input_address: str
     output_address: str
-    extra_eos_token_ids: list[int] = []
     log_level: str = "info"
     idle_poll_ms: int = 50
     stats_interval_s: float = 0.1
@@ -229,10 +228,7 @@ def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: 
             config.parallel.dp_timeout_s,
             config.parallel.check_collectives,
         )
-    engine = EngineCore(config, group)
-    # Same as the offline LLM: the tokenizer's EOS also counts as EOS (the API server sends its ids).
-    engine.runner.eos_token_ids |= set(cfg.extra_eos_token_ids)
-    return engine
+    return EngineCore(config, group)
 
 
 class EngineCoreLoop:

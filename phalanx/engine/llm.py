@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from phalanx.checkpoint import resolve_model_path
 from phalanx.engine.args import EngineArgs
 from phalanx.engine.engine_core import EngineCore, EngineCoreRequest
 from phalanx.engine.output_processor import OutputProcessor
@@ -42,8 +43,10 @@ class LLM:
         speculative_config: dict[str, Any] | None = None,
         num_kv_blocks: int | None = None,
     ) -> None:
+        model_path = resolve_model_path(model)
+        self.tokenizer = load_tokenizer(tokenizer or model_path)
         self.engine_args = EngineArgs(
-            model=model,
+            model=model_path,
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
@@ -54,12 +57,9 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             speculative_config=speculative_config,
+            extra_eos_token_ids=tuple(eos_token_ids_of(self.tokenizer)),
         )
-        config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(tokenizer or config.model.path)
-        self.engine = EngineCore(config)
-        self.engine.runner.eos_token_ids |= set(eos_token_ids_of(self.tokenizer))
-        self.eos_token_ids = sorted(set(config.model.eos_token_ids) | set(eos_token_ids_of(self.tokenizer)))
+        self.engine = EngineCore(self.engine_args.create_engine_config())
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 

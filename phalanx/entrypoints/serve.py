@@ -17,10 +17,12 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
-from phalanx.engine.args import EngineArgs, resolve_model_path
+from phalanx.checkpoint import resolve_model_path
+from phalanx.engine.args import EngineArgs
 from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, EngineStartupError
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.tokenizer import eos_token_ids_of, load_tokenizer
@@ -71,6 +73,17 @@ class ServeConfig:
     data_parallel_rpc_port: int | None = None
     headless: bool = False
     num_threads: int | None = None
+    tokenizer: str | None = None  # tokenizer checkpoint (default: the model's own)
+
+
+def with_tokenizer(cfg: ServeConfig) -> tuple[EngineArgs, Any]:
+    """The engine arguments with the model resolved to its local path (so every rank loads the same
+    files) and the tokenizer's end-of-sequence ids merged in, and the tokenizer itself."""
+    args = cfg.engine_args
+    model_path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or model_path)
+    args = dataclasses.replace(args, model=model_path, extra_eos_token_ids=tuple(eos_token_ids_of(tokenizer)))
+    return args, tokenizer
 
 
 def check_config(cfg: ServeConfig) -> None:
@@ -106,14 +119,12 @@ def check_config(cfg: ServeConfig) -> None:
 
 async def serve(cfg: ServeConfig) -> int:
     logging.getLogger("phalanx").setLevel(cfg.log_level.upper())
-    args = cfg.engine_args
-    model_path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(model_path)
+    args, tokenizer = with_tokenizer(cfg)
+    model_path = args.model
     client = EngineCoreClient(
         EngineClientConfig(
             engine_args=args,
             data_parallel_size=args.data_parallel_size,
-            extra_eos_token_ids=eos_token_ids_of(tokenizer),
             log_level=cfg.log_level,
             startup_timeout_s=cfg.startup_timeout,
             data_parallel_size_local=cfg.data_parallel_size_local,
@@ -189,10 +200,9 @@ def run(cfg: ServeConfig) -> int:
     if cfg.headless:
         from phalanx.engine.core_client import run_headless
 
-        args = cfg.engine_args
+        args, _ = with_tokenizer(cfg)
         assert cfg.data_parallel_size_local is not None and cfg.data_parallel_address is not None
         assert cfg.data_parallel_rpc_port is not None
-        tokenizer = load_tokenizer(resolve_model_path(args.model))
         return run_headless(
             args,
             args.data_parallel_size,
@@ -201,7 +211,6 @@ def run(cfg: ServeConfig) -> int:
             cfg.data_parallel_address,
             cfg.data_parallel_rpc_port,
             cfg.log_level,
-            eos_token_ids_of(tokenizer),
             cfg.num_threads,
         )
     try:

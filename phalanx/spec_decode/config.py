@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from phalanx.checkpoint import hf_config, is_gguf, resolve_model_path
 from phalanx.config import ModelConfig
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -63,20 +63,15 @@ class SpeculativeConfig:
         method = raw.get("method")
         model = raw.get("model")
         if model is not None:
-            from phalanx.engine.args import resolve_model_path
-
             model = resolve_model_path(str(model))
-            if not (Path(model) / "config.json").is_file():
-                raise FileNotFoundError(
-                    f"speculative model {raw.get('model')!r} is not a model folder with config.json "
-                    "(give a local Hugging Face folder or a built-in name)"
-                )
         if method is None:
             method = "ngram" if model is None else _detect_method(model)
         if method not in METHODS:
             raise ValueError(f"speculative method {method!r} is not supported; valid: {list(METHODS)}")
         if method in _MODEL_METHODS and model is None:
             raise ValueError(f"speculative method {method!r} needs a draft 'model' (a folder or built-in name)")
+        if method in ("eagle", "eagle3") and model is not None and is_gguf(model):
+            raise ValueError(f"an {method} head is a Hugging Face folder (config.json + safetensors), not a .gguf: {model!r}")
         if method == "ngram" and model is not None:
             raise ValueError("speculative method 'ngram' is model-free; remove 'model'")
         lo = raw.get("prompt_lookup_min")
@@ -102,9 +97,8 @@ class SpeculativeConfig:
         return cfg
 
 
-def _read_config(folder: str) -> dict[str, Any]:
-    with open(Path(folder) / "config.json", encoding="utf-8") as f:
-        return json.load(f)
+def _read_config(path: str) -> dict[str, Any]:
+    return hf_config(path)
 
 
 def _detect_method(folder: str) -> str:

@@ -296,16 +296,17 @@ def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path) -> None:
     assert not lock.exists()
 
 
+def test_missing_sources_are_a_clear_error(monkeypatch, tmp_path) -> None:
+    """A package installed without its csrc/ folder says where the sources should be."""
+    monkeypatch.setattr(cpu_ops, "CSRC", tmp_path / "csrc")
+    with pytest.raises(FileNotFoundError, match=r"csrc/gemm.cpp.*pip install -e \."):
+        cpu_ops.source_paths()
+
+
 def test_the_portable_build_compiles_and_agrees(kernel) -> None:
     """Machines without AVX-512 get the plain C++ paths (-march=x86-64-v2 here): they must build and
     give the same results (bf16 outputs identical after rounding, fp32 within float32 noise)."""
-    from torch.utils.cpp_extension import load_inline
-
-    build = cpu_ops.build_dir() / "x86-64-v2"
-    build.mkdir(exist_ok=True)
-    portable = load_inline(name="phalanx_cpu_ops_portable", cpp_sources=[cpu_ops._SOURCE],
-                           functions=list(cpu_ops.FUNCTIONS), extra_cflags=["-O3", "-march=x86-64-v2", *cpu_ops.CFLAGS],
-                           extra_ldflags=["-fopenmp"], build_directory=str(build))
+    portable = cpu_ops.build(name="phalanx_cpu_ops_portable", march="x86-64-v2", variant="x86-64-v2")
     for dtype in (torch.bfloat16, torch.float32):
         q, cache, table, visible = _case(3, seqs=3, qlen=2, kvh=2, group=2, head_dim=64, block_size=16,
                                          max_len=150, dtype=dtype)

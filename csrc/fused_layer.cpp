@@ -1,0 +1,143 @@
+// One whole decoder layer in one call (any batch without lockstep padding).
+// Llama's layer as the module path runs it on the other kernels (gemm, norm, elementwise,
+// attention): the input norm (or none: an EAGLE-1 head's first layer; with `residual`, the residual
+// add fused into it), the qkv projection, rotary on queries and keys, the KV write, the paged
+// attention grouped as the module path groups it (one [R, Q] grid for a uniform batch, else the
+// decode group and each prefill chunk: `AttnPlan`, `attend`), o_proj, the add + post-attention
+// norm, gate/up, SiLU-and-multiply, down. The same functions in the same order as the module path
+// (``models.llama.DecoderLayer.forward_split``), so the result is bitwise the same; what it saves is
+// the ~15 Python-level calls and ~10 dispatches per layer, which at a few rows cost more than the
+// arithmetic. Returns (the MLP's output, the residual stream before it), as forward_split does.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+
+#include "common.h"
+#include "fused_layer.h"
+#include "gemm.h"
+#include "ops.h"
+
+namespace phalanx {
+
+// A linear from its three tensors as Python passes them (packed, bias, pairs; an empty tensor: none).
+Linear make_linear(const at::Tensor* t, int64_t out_features) {
+  auto opt = [](const at::Tensor& x) { return x.numel() ? x : at::Tensor(); };
+  return {t[0], opt(t[1]), opt(t[2]), out_features};
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const Linear& l) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, l.packed, l.bias.defined() ? c10::IValue(l.bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t pair_rows) {
+  if (l.pairs.defined() && x.size(0) <= pair_rows && x.is_contiguous()) return pair_linear(x, l.pairs, l.out_features);
+  return onednn_linear(x, l);
+}
+
+
+AttnPlan grid_plan(at::Tensor block_table, at::Tensor visible) { return {block_table, visible}; }
+
+// q [T, H, D] (rotated) -> attention output [T, H * D]
+at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  if (!a.dec_idx.defined() && a.pre_tables.empty()) {  // the flat batch is one [R, Q] grid, rows in order
+    TORCH_CHECK(a.dec_table.defined() && a.dec_visible.dim() == 2, "fused layer: no attention grid");
+    const int64_t Q = a.dec_visible.size(1);
+    TORCH_CHECK(Q > 0 && T % Q == 0, "fused layer: ", T, " tokens are not whole requests of ", Q);
+    return decode_attention(q.reshape({T / Q, Q, H, D}), kv_cache, a.dec_table, a.dec_visible, scale).view({T, H * D});
+  }
+  auto out = at::empty({T, H, D}, q.options());
+  if (a.dec_table.defined()) {
+    TORCH_CHECK(a.dec_idx.defined() && a.dec_sel.defined() && a.dec_rows.defined() && a.dec_visible.dim() == 2 &&
+                    a.dec_idx.numel() == a.dec_visible.numel() && a.dec_sel.numel() == a.dec_rows.numel(),
+                "fused layer: the decode group needs dec_idx [Bd * Qd], dec_sel and dec_rows of one length");
+    const int64_t Bd = a.dec_visible.size(0), Qd = a.dec_visible.size(1);
+    auto od = decode_attention(q.index_select(0, a.dec_idx).view({Bd, Qd, H, D}), kv_cache, a.dec_table,
+                               a.dec_visible, scale);
+    out.index_copy_(0, a.dec_rows, od.view({Bd * Qd, H, D}).index_select(0, a.dec_sel));
+  }
+  TORCH_CHECK(a.pre_bounds.size() == 2 * a.pre_tables.size() && a.pre_tables.size() == a.pre_visibles.size(),
+              "fused layer: each prefill chunk needs its start and end, block table and visible counts");
+  int64_t covered = a.dec_rows.defined() ? a.dec_rows.numel() : 0;
+  for (size_t i = 0; i < a.pre_tables.size(); ++i) {
+    const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= T, "fused layer: prefill chunk [", start, ", ", end,
+                ") outside the batch's ", T, " tokens");
+    covered += end - start;
+  }
+  TORCH_CHECK(covered == T, "fused layer: the attention plan covers ", covered, " of the batch's ", T, " tokens");
+  for (size_t i = 0; i < a.pre_tables.size(); ++i) {
+    const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
+    out.slice(0, start, end).copy_(
+        decode_attention(q.slice(0, start, end).unsqueeze(0), kv_cache, a.pre_tables[i], a.pre_visibles[i], scale)[0]);
+  }
+  return out.view({T, H * D});
+}
+
+
+// linears: per layer [qkv, o, gate_up, down] x (packed, bias, pairs) — an empty tensor for "none";
+// widths their out features; heads [num_heads, num_kv_heads, head_dim].
+LayerWeights layer_weights(std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
+                           const std::vector<at::Tensor>& linears, const std::vector<int64_t>& widths,
+                           const std::vector<int64_t>& heads, double scale, int64_t pair_rows) {
+  TORCH_CHECK(linears.size() == 12 && widths.size() == 4 && heads.size() == 3,
+              "fused layer: linears are [qkv, o, gate_up, down] x (packed, bias, pairs), widths their out "
+              "features, heads [num_heads, num_kv_heads, head_dim]");
+  TORCH_CHECK(widths[0] == (heads[0] + 2 * heads[1]) * heads[2], "fused layer: qkv width disagrees with the heads");
+  Linear l[4];
+  for (int i = 0; i < 4; ++i) l[i] = make_linear(&linears[3 * i], widths[i]);
+  return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], pair_rows, eps, scale};
+}
+
+// The layer from its attention input `x_in` and the residual stream `res` on: returns (the MLP's
+// output, the residual stream before it).
+std::vector<at::Tensor> attn_mlp(const LayerWeights& w, at::Tensor x_in, at::Tensor res, at::Tensor cos,
+                                    at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, const AttnPlan& plan) {
+  const int64_t H = w.H, KVH = w.KVH, D = w.D, T = x_in.size(0);
+  auto qkv = apply(w.qkv, x_in, w.pair_rows);  // [T, (H + 2 KVH) D]
+  auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
+  auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
+  cache_write(kv_cache, qk.slice(1, H, H + KVH), v, slots);
+  auto attn = attend(plan, qk.slice(1, 0, H), kv_cache, w.scale);
+  auto o = apply(w.o, attn, w.pair_rows);
+  auto post = rms_norm_impl(o, res, w.ln2, w.eps);  // (norm(o + res), o + res)
+  auto act = silu_mul(apply(w.gate_up, post[0], w.pair_rows));
+  return {apply(w.down, act, w.pair_rows), post[1]};
+}
+
+// A decoder layer: the input norm (none without ln1; with `residual`, the residual add fused into
+// it), then `attn_mlp`.
+std::vector<at::Tensor> layer_impl(const LayerWeights& w, at::Tensor delta, std::optional<at::Tensor> residual,
+                                      at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
+                                      const AttnPlan& plan) {
+  if (residual.has_value()) {
+    TORCH_CHECK(w.ln1.has_value(), "fused layer: a residual needs the input norm");
+    auto r = rms_norm_impl(delta, residual, *w.ln1, w.eps);
+    return attn_mlp(w, r[0], r[1], cos, sin, kv_cache, slots, plan);
+  }
+  auto x_in = w.ln1.has_value() ? rms_norm_impl(delta, std::nullopt, *w.ln1, w.eps)[0] : delta.contiguous();
+  return attn_mlp(w, x_in, delta, cos, sin, kv_cache, slots, plan);
+}
+
+std::vector<at::Tensor> fused_layer(at::Tensor delta, std::optional<at::Tensor> residual,
+                                       std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
+                                       std::vector<at::Tensor> linears, std::vector<int64_t> widths,
+                                       std::vector<int64_t> heads, double scale, int64_t pair_rows, at::Tensor cos,
+                                       at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
+                                       std::optional<at::Tensor> dec_table, std::optional<at::Tensor> dec_visible,
+                                       std::optional<at::Tensor> dec_idx, std::optional<at::Tensor> dec_sel,
+                                       std::optional<at::Tensor> dec_rows, std::vector<int64_t> pre_bounds,
+                                       std::vector<at::Tensor> pre_tables, std::vector<at::Tensor> pre_visibles) {
+  auto get = [](const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+  const AttnPlan plan{get(dec_table), get(dec_visible), get(dec_idx), get(dec_sel), get(dec_rows),
+                      pre_bounds, pre_tables, pre_visibles};
+  return layer_impl(layer_weights(ln1, ln2, eps, linears, widths, heads, scale, pair_rows), delta, residual, cos, sin,
+                    kv_cache, slots, plan);
+}
+
+}  // namespace phalanx

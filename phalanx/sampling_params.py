@@ -8,6 +8,7 @@ strings are matched against text (``phalanx.engine.detokenizer``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -21,6 +22,9 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
         if not isinstance(s, str) or s == "":
             raise ValueError(f"{name} must contain non-empty strings, got {s!r}")
     return out
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer field crosses process boundaries as int64
 
 
 @dataclass
@@ -50,10 +54,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # token id -> value added to its logit before penalties and sampling (OpenAI's logit_bias; the
+    # engine checks the ids against the model's vocabulary)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_str_list(self.stop, "stop")  # type: ignore[arg-type]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -62,8 +71,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise bad("temperature", ">= 0 and finite (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
         if self.top_k == -1:
@@ -95,8 +104,25 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "None or an integer")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if not isinstance(t, int) or not 0 <= t <= INT64_MAX:
+                raise ValueError(f"stop_token_ids must be non-negative 64-bit integers, got {t!r}")
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not INT64_MIN <= value <= INT64_MAX:
+                raise bad(name, f"a 64-bit integer (in [{INT64_MIN}, {INT64_MAX}])")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token_id}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids that index the logits (`logit_bias` keys) must be in the vocabulary."""
+        bad_ids = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad_ids:
+            raise ValueError(
+                f"logit_bias token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
+            )
 
     @property
     def greedy(self) -> bool:

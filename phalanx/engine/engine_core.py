@@ -62,6 +62,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate_prompt(request.prompt_token_ids)
         params = request.sampling_params
+        params.check_token_ids(self.cfg.model.vocab_size)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(

@@ -30,7 +30,8 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
+    # seed + index, wrapped to stay a 64-bit integer (2**63 - 1 + 1 -> -2**63)
+    seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
     return dataclasses.replace(params, n=1, seed=seed)
 
 

@@ -69,6 +69,10 @@ class AsyncLLM:
         return self.client.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.client.vocab_size
+
+    @property
     def is_healthy(self) -> bool:
         return self.dead_message is None and self.client.dead_rank() is None
 

@@ -43,6 +43,8 @@ class SamplingMetadata:
     # the row's output is still shorter than min_tokens
     min_tokens_stop_ids: dict[int, list[int]]
     max_num_logprobs: int | None  # max requested top-n logprobs; None = nobody wants logprobs
+    # per row: token id -> bias added to its raw logit (None for rows without); None when no row has one
+    logit_bias: list[dict[int, float] | None] | None = None
     # Bookkeeping so expand_for_verification can recompute the bans for longer histories.
     min_tokens: list[int] = dataclasses.field(default_factory=list)  # [B]
     stop_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [B] ids banned by min_tokens
@@ -96,6 +98,7 @@ class SamplingMetadata:
         ]
         min_tokens = [p.min_tokens for p in params]
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        logit_bias = [p.logit_bias for p in params]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             all_greedy=all(greedy),
@@ -111,6 +114,7 @@ class SamplingMetadata:
             output_token_ids=[list(t) for t in output_token_ids],
             min_tokens_stop_ids=_min_tokens_bans(min_tokens, stop_ids, output_token_ids),
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            logit_bias=logit_bias if any(logit_bias) else None,
             min_tokens=min_tokens,
             stop_ids=stop_ids,
         )
@@ -170,6 +174,7 @@ class SamplingMetadata:
             prompt_token_ids=None if self.prompt_token_ids is None else expand_list(self.prompt_token_ids),
             output_token_ids=outputs,
             min_tokens_stop_ids=_min_tokens_bans(min_tokens, stop_ids, outputs),
+            logit_bias=None if self.logit_bias is None else expand_list(self.logit_bias),
             min_tokens=min_tokens,
             stop_ids=stop_ids,
         )

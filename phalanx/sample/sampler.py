@@ -7,7 +7,7 @@ Does not own: building `SamplingMetadata` (``phalanx.sample.metadata``), the spe
 reject rule (``phalanx.sample.rejection``), stop conditions or detokenisation.
 
 Order of operations (every step vectorised over the batch; no per-token Python):
-    raw logits ─► penalties + min_tokens bans ─► (greedy rows: argmax here)
+    raw logits ─► logit_bias ─► penalties + min_tokens bans ─► (greedy rows: argmax here)
                ─► / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► argmax(probs / Exp(1))
 Logprobs are "raw": log_softmax of the model's logits before any of the above (vLLM v1's default).
 """
@@ -64,14 +64,19 @@ def compute_token_logprobs(
 
 
 def apply_penalties_and_bans(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Repetition / presence / frequency penalties and min_tokens bans. Returns a new float32 tensor.
+    """Logit bias, repetition / presence / frequency penalties and min_tokens bans. Returns a new
+    float32 tensor.
 
-    Repetition (HF / vLLM): for tokens seen in prompt or output, positive logits are divided by the
-    penalty and negative ones multiplied. Presence and frequency (OpenAI): subtract
+    Logit bias (OpenAI): each row's bias values are added to their tokens' logits first (as vLLM
+    does). Repetition (HF / vLLM): for tokens seen in prompt or output, positive logits are divided
+    by the penalty and negative ones multiplied. Presence and frequency (OpenAI): subtract
     ``presence * [count > 0] + frequency * count`` over output tokens only.
+    Verification runs the same function on every verified row, so a biased target stays lossless.
     """
     logits = logits.to(torch.float32, copy=True)  # [B, V]; the caller's raw logits stay intact for logprobs
     num_rows, vocab_size = logits.shape
+    if meta.logit_bias is not None:
+        _add_logit_bias(logits, meta.logit_bias)
     any_penalty = (
         meta.presence_penalty is not None
         or meta.frequency_penalty is not None
@@ -97,6 +102,21 @@ def apply_penalties_and_bans(logits: torch.Tensor, meta: SamplingMetadata) -> to
         index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)  # [2, num_bans]
         logits[index[0], index[1]] = float("-inf")
     return logits
+
+
+def _add_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:
+    """logits[row, token] += bias for every (token, bias) of every row's map, in place."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, bias in enumerate(logit_bias):
+        if bias:
+            rows.extend([row] * len(bias))
+            cols.extend(bias.keys())
+            values.extend(bias.values())
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))  # [N] int64 each
+    logits.index_put_(index, torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

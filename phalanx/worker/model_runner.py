@@ -326,7 +326,7 @@ class ModelRunner:
         hidden: torch.Tensor,  # [num logit rows, H]
         out: ModelRunnerOutput,
     ) -> None:
-        """Fast path, same result as `rejection_sample` for greedy rows without penalties, bans or
+        """Fast path, same result as `rejection_sample` for greedy rows without bias, penalties, bans or
         logprobs: one argmax over all rows, then accept each request's drafts while they equal it."""
         targets = self._argmax(self._logits(hidden, float32=False)).numpy()  # [rows]
         num_drafts = np.array([len(d) for d in drafts_of], dtype=np.int64)  # [B]
@@ -380,6 +380,7 @@ def _plain_greedy(st: RunnerRequestState) -> bool:
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
+        and not p.logit_bias
         and p.min_tokens <= len(st.token_ids) - len(st.prompt_token_ids)
     )
 

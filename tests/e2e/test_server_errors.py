@@ -29,7 +29,7 @@ BAD_REQUESTS = [
         "response_format",
         "response_format",
     ),
-    (CHAT, {"messages": MSGS, "logit_bias": {"1": 5}}, 400, "logit_bias", "logit_bias"),
+    (CHAT, {"messages": MSGS, "logit_bias": {"1": 500}}, 400, "logit_bias", None),
     (CHAT, {"messages": MSGS, "functions": []}, 400, "functions", "functions"),
     (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
     (CHAT, {"messages": MSGS, "temperature": -0.5}, 400, "temperature", None),

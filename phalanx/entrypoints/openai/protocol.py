@@ -1,11 +1,21 @@
 """OpenAI-compatible request bodies (pydantic) and their conversion into `SamplingParams`.
 
 Owns: which request fields phalanx accepts (every model forbids unknown fields, so `tools`,
-`response_format`, `logit_bias`, ... are rejected with a 400 naming the field instead of being
-silently ignored), their defaults (chat: `max_tokens` up to the context length; completions: 16,
-as in OpenAI and vLLM), and `sampling_params(...)`.
-Does not own: response formats (``serving``), HTTP routing and errors (``server``).
+`response_format`, ... are rejected with a 400 naming the field instead of being silently
+ignored), their defaults (chat: `max_tokens` up to the context length; completions: 16, as in
+OpenAI and vLLM), the size limits a client cannot exceed (below; docs/api-limits.md), and
+`sampling_params(...)`.
+Does not own: response formats (``serving``), HTTP routing and errors (``server``), the limits
+that depend on the model (prompt length, token ids in the vocabulary: ``serving``).
 
+Limits (a 400 naming the field, before any work is queued): `n` <= MAX_N, a completions
+request's prompts x n <= MAX_SAMPLES, <= MAX_STOP_STRINGS stop strings of <= MAX_STOP_STRING_CHARS
+characters, <= MAX_STOP_TOKEN_IDS stop token ids, <= MAX_LOGIT_BIAS logit_bias entries (values in
+[-100, 100]), logprobs / top_logprobs <= MAX_LOGPROBS, every integer within 64 bits, no NaN or
+infinite numbers.
+
+`logit_bias` (OpenAI): token id (a JSON object key, so a string of digits) -> a bias in [-100, 100]
+added to that token's logit before sampling, by the target and by speculative verification alike.
 Extension fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `add_generation_prompt`,
 `continue_final_message`, `chat_template_kwargs`; and phalanx's own `return_spec_stats`: each choice
@@ -15,17 +25,36 @@ mean_acceptance_length} for its sample.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from phalanx.sampling_params import SamplingParams
+from phalanx.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-MAX_LOGPROBS = 20
+MAX_N = 128  # samples of one prompt (OpenAI's cap)
+MAX_SAMPLES = 128  # samples of one request: a completions request's prompts x n
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 128  # each stop string is matched against every step's text
+MAX_STOP_TOKEN_IDS = 128
+MAX_LOGIT_BIAS = 1024  # entries of the logit_bias map
+MAX_LOGPROBS = 20  # logprobs (completions) and top_logprobs (chat), as vLLM's default max_logprobs
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    for s in strings:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings have at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}: {s[:40]!r}...")
+    return stop
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -59,19 +88,20 @@ class _SamplingFields(_Strict):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int = Field(1, le=MAX_N)  # >= 1: SamplingParams says so
+    seed: Int64 | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_check_stop)] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    logit_bias: Annotated[dict[int, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -95,6 +125,7 @@ class _SamplingFields(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
+            "logit_bias": self.logit_bias,
         }
         for name in (
             "temperature",
@@ -113,8 +144,8 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -135,8 +166,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
     logprobs: int | None = None
     echo: bool = False
 
@@ -158,6 +189,11 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt is empty; give a string, a list of strings or token ids")
         if isinstance(p[0], int):
             return [list(p)]  # type: ignore[arg-type]
+        if len(p) * self.n > MAX_SAMPLES:
+            raise ValueError(
+                f"{len(p)} prompts x n={self.n} would be {len(p) * self.n} samples; one request may ask "
+                f"for at most {MAX_SAMPLES} (split the prompts over several requests)"
+            )
         return list(p)  # type: ignore[arg-type]
 
 
@@ -173,4 +209,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP server (FastAPI app) and its lifecycle next to the engine processes.
 
 Owns: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`,
-`/version`, `/tokenize`, `/detokenize`), the API-key check, mapping every error to an OpenAI-style
-body (`{"error": {"message", "type", "param", "code"}}`: 400 invalid values / malformed JSON /
-unsupported fields / prompts over the context length, 401 bad key, 404 unknown model or route,
-503 engine gone).
+`/version`, `/tokenize`, `/detokenize`), the API-key check, the request body size limit
+(`max_request_bytes`: a body is refused with 413 before it is parsed, whether or not it declares its
+length), mapping every error to an OpenAI-style body (`{"error": {"message", "type", "param",
+"code"}}`: 400 invalid values / malformed JSON / unsupported fields / prompts over the context length
+/ sizes over the limits, 401 bad key, 404 unknown model or route, 413 body too large, 503 engine
+gone).
 Does not own: the request/response formats (``protocol``, ``serving``), the engine front end
 (``entrypoints.async_llm``), process start-up and shutdown (``entrypoints.serve``).
 """
@@ -27,6 +29,7 @@ import phalanx
 from phalanx.engine.core_client import EngineDeadError
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.entrypoints.async_llm import AsyncLLM
+from phalanx.entrypoints.openai.prompts import PromptError
 from phalanx.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +39,14 @@ from phalanx.entrypoints.openai.protocol import (
 from phalanx.entrypoints.openai.serving import APIError, OpenAIServing, engine_error
 
 logger = logging.getLogger("phalanx.server")
+
+_MIB = 1 << 20
+
+
+def max_request_bytes(max_model_len: int) -> int:
+    """The largest request body accepted: 4 MiB, or 16 bytes per context token if that is more
+    (a whole-context prompt sent as JSON token ids or as escaped text fits several times)."""
+    return max(4 * _MIB, 16 * max_model_len)
 
 
 @dataclass
@@ -109,9 +120,63 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """Answers 413 to a request whose body exceeds `limit` bytes: at once when its Content-Length
+    says so, else as soon as the streamed body passes the limit. The body is read here (as FastAPI
+    would read it anyway before parsing) and handed on in one piece; later `receive` calls (the
+    disconnect watch) go to the server. Bounds the API process's memory and event-loop time per
+    request."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: dict[str, Any] | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict[str, Any]:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        error = APIError(
+            413,
+            f"the request body is larger than {self.limit} bytes, the most this server accepts",
+            code="request_too_large",
+        )
+        await _error_response(error)(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="phalanx", version=phalanx.__version__)
     serving = OpenAIServing(state.engine, state.tokenizer, state.served_model_name)
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_bytes(state.engine.max_model_len))
 
     # ---- errors -----------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -130,7 +195,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(APIError(400, str(exc)))
+        return _error_response(APIError(400, str(exc), param=exc.param if isinstance(exc, PromptError) else None))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -210,18 +275,19 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            text = serving.render_chat(req)
-            ids = state.tokenizer(text, add_special_tokens=False).input_ids
+            prompt = await serving.chat_prompt(req)
         else:
-            ids = state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": list(ids)}
+            assert req.prompt is not None
+            prompt = await serving.prompts.encode(req.prompt, req.add_special_tokens)
+        ids = prompt.token_ids
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         check_model(req.model)
         if state.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        vocab = state.engine.client.vocab_size
+        vocab = state.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
@@ -229,7 +295,12 @@ def build_app(state: ServerState) -> FastAPI:
                 f"token id {bad[0]} is outside the vocabulary; valid ids are 0..{vocab - 1}",
                 param="tokens",
             )
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        limit = state.engine.max_model_len
+        if len(req.tokens) > limit:
+            raise APIError(
+                400, f"{len(req.tokens)} tokens is more than max_model_len ({limit}) allows", param="tokens"
+            )
+        return {"prompt": await serving.prompts.decode(req.tokens)}
 
     return app
 

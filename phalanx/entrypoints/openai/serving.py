@@ -1,10 +1,17 @@
 """Chat and text completions: OpenAI request -> prompt token ids -> engine -> OpenAI response.
 
-Owns: prompt preparation (chat template, tokenization, context-length checks), the OpenAI response
-and SSE chunk formats (incl. logprobs, echo, usage, phalanx's `spec_stats`), diffing the engine's
-cumulative outputs into stream deltas per choice, and aborting work whose client went away.
-Does not own: routing, auth and error bodies (``server``), request schemas (``protocol``), text
+Owns: the checks of a request against the model (token counts against the context length, token
+ids against the vocabulary), the OpenAI response and SSE chunk formats (incl. logprobs, echo,
+usage, phalanx's `spec_stats`), diffing the engine's cumulative outputs into stream deltas per
+choice, and aborting work whose client went away.
+Does not own: routing, auth and error bodies (``server``), request schemas and size limits
+(``protocol``), chat templates and tokenization (``prompts``, off the event loop), text
 detokenization and stop strings (the engine front end's ``OutputProcessor``).
+
+Streams: chat and completions share one generator (`OpenAIServing._stream`: opening chunk, one
+chunk per engine update, usage, ``[DONE]``) and one per-choice diff (`_delta`); the two formats
+differ only in what `_ChatFormat` / `_CompletionFormat` say (role chunk, echo prefix, delta vs
+text field, the two logprobs layouts).
 """
 
 from __future__ import annotations
@@ -15,15 +22,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from phalanx.engine.core_client import EngineDeadError
-from phalanx.engine.tokenizer import render_chat
 from phalanx.entrypoints.async_llm import AsyncLLM, RequestRejectedError
-from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from phalanx.entrypoints.openai.prompts import Prompt, PromptPreparer
+from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from phalanx.outputs import CompletionOutput, Logprob, RequestOutput
 from phalanx.sampling_params import SamplingParams
 
@@ -52,53 +59,30 @@ def engine_error(e: Exception) -> APIError:
     return APIError(503, f"the engine is not available: {e}", "server_error", code="engine_dead")
 
 
-@dataclass
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
-
-
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, tokenizer: Any | None, model_name: str) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.prompts = PromptPreparer(tokenizer, engine.max_model_len)
 
     # ---- prompts ----------------------------------------------------------------------------
-    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> _Prompt:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(
-                    400, "this model has no tokenizer; send token ids as the prompt", param="prompt"
-                )
-            return _Prompt(
-                prompt, list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
-            )
-        return _Prompt(None, list(prompt))
-
-    def render_chat(self, req: Any) -> str:
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so it cannot serve chat completions")
-        messages = [m.as_template_dict() for m in req.messages]
-        try:
-            return render_chat(
-                self.tokenizer,
-                messages,
-                req.add_generation_prompt,
-                req.continue_final_message,
-                req.chat_template_kwargs,
-            )
-        except ValueError:
-            raise
-        except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
-            raise ValueError(f"the chat template failed to render these messages: {e}") from e
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+        assert req.messages is not None
+        return await self.prompts.chat_prompt(
+            [m.as_template_dict() for m in req.messages],
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
 
     def _params(
-        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[_Prompt]
+        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[Prompt]
     ) -> SamplingParams:
-        """Validate the sampling fields and every prompt's length; ValueError -> 400."""
+        """Validate the sampling fields, token ids and every prompt's length; ValueError -> 400."""
         requested = req.requested_max_tokens()
         params = req.sampling_params(requested)
+        params.check_token_ids(self.engine.vocab_size)
         limit = self.engine.max_model_len
         for p in prompts:
             self.engine.validate_prompt(p.token_ids)
@@ -112,14 +96,13 @@ class OpenAIServing:
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        text = self.render_chat(req)
-        prompt = self._encode(text, add_special_tokens=False)
+        prompt = await self.chat_prompt(req)
         params = self._params(req, [prompt])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = self.engine.generate(request_id, prompt.text, prompt.token_ids, params)
         if req.stream:
-            return _sse(self._chat_stream(req, request_id, created, gen, len(prompt.token_ids)))
+            return _sse(self._stream(_ChatFormat(self, req), req, request_id, created, [gen], [prompt]))
         outputs = await _collect([gen], raw)
         if outputs is None:
             return Response(status_code=499)
@@ -149,79 +132,79 @@ class OpenAIServing:
             }
         )
 
-    async def _chat_stream(
+    # ---- streaming (chat and completions alike) ---------------------------------------------
+    async def _stream(
         self,
-        req: ChatCompletionRequest,
+        fmt: _StreamFormat,
+        req: ChatCompletionRequest | CompletionRequest,
         request_id: str,
         created: int,
-        gen: AsyncIterator[RequestOutput],
-        num_prompt_tokens: int,
+        gens: list[AsyncIterator[RequestOutput]],
+        prompts: list[Prompt],
     ) -> AsyncIterator[str]:
+        """SSE events: `fmt`'s opening chunk, then one chunk per engine update that shows something
+        new (the changed choices only), the usage chunk if asked for, and ``[DONE]``. Engine errors
+        become an error event before ``[DONE]``."""
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        base = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-        }
+        base = {"id": request_id, "object": fmt.object, "created": created, "model": self.model_name}
+        choices = [_StreamedChoice(pi * req.n + i, p) for pi, p in enumerate(prompts) for i in range(req.n)]
+        finals: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body = {**base, "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return _event(body)
+        def chunk(deltas: list[dict[str, Any]]) -> str:
+            return _event({**base, "choices": deltas, **({"usage": None} if include_usage else {})})
 
-        sent_chars = [0] * req.n
-        sent_tokens = [0] * req.n
-        done = [False] * req.n
-        final: RequestOutput | None = None
         try:
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for i in range(req.n)
+            opening = fmt.opening(choices)
+            if opening:
+                yield chunk(opening)
+            async for pi, out in _merge(gens):
+                finals[pi] = out
+                deltas = [
+                    d
+                    for c in out.outputs
+                    if (d := self._delta(fmt, req, choices[pi * req.n + c.index], out, c)) is not None
                 ]
-            )
-            async for out in gen:
-                final = out
-                choices = []
-                for c in out.outputs:
-                    i = c.index
-                    if done[i]:
-                        continue
-                    delta = c.text[sent_chars[i] :]
-                    new_tokens = len(c.token_ids) - sent_tokens[i]
-                    if not delta and c.finish_reason is None and (new_tokens == 0 or c.logprobs is None):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character held back)
-                    choice: dict[str, Any] = {
-                        "index": i,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if c.logprobs is not None and new_tokens:
-                        choice["logprobs"] = {
-                            "content": self._chat_logprobs(c, sent_tokens[i], req.top_logprobs or 0)
-                        }
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                        if req.return_spec_stats:
-                            choice["spec_stats"] = _spec_stats(c)
-                        done[i] = True
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    choices.append(choice)
-                if choices:
-                    yield chunk(choices)
-            if include_usage and final is not None:
-                yield _event({**base, "choices": [], "usage": _usage(num_prompt_tokens, [final])})
+                if deltas:
+                    yield chunk(deltas)
+            if include_usage:
+                num_prompt = sum(len(p.token_ids) for p in prompts)
+                yield _event({**base, "choices": [], "usage": _usage(num_prompt, [f for f in finals if f])})
         except (EngineDeadError, RequestRejectedError) as e:
             yield _event(engine_error(e).body())
         yield "data: [DONE]\n\n"
+
+    def _delta(
+        self,
+        fmt: _StreamFormat,
+        req: ChatCompletionRequest | CompletionRequest,
+        choice: _StreamedChoice,
+        out: RequestOutput,
+        c: CompletionOutput,
+    ) -> dict[str, Any] | None:
+        """What is new in one choice since the last chunk, or None when nothing is to show yet
+        (e.g. half a UTF-8 character held back). Advances the choice's sent counters."""
+        if choice.done:
+            return None
+        text = c.text[choice.sent_chars :]
+        if not choice.started:
+            text = fmt.prefix(choice) + text
+        choice.started = True
+        new_tokens = len(c.token_ids) - choice.sent_tokens
+        if not text and c.finish_reason is None and (new_tokens == 0 or not fmt.wants_logprobs(c)):
+            return None
+        delta: dict[str, Any] = {
+            "index": choice.index,
+            **fmt.content(text),
+            "logprobs": fmt.logprobs(choice, out, c, new_tokens),
+            "finish_reason": c.finish_reason,
+        }
+        if c.finish_reason is not None:
+            delta["stop_reason"] = c.stop_reason
+            if req.return_spec_stats:
+                delta["spec_stats"] = _spec_stats(c)
+            choice.done = True
+        choice.sent_chars, choice.sent_tokens = len(c.text), len(c.token_ids)
+        return delta
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, top_n: int) -> list[dict[str, Any]]:
         """OpenAI chat format for tokens [start:]. Each position's dict holds the chosen token (with its
@@ -261,7 +244,7 @@ class OpenAIServing:
 
     # ---- completions ------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
-        prompts = [self._encode(p) for p in req.prompts()]
+        prompts = [await self.prompts.encode(p) for p in req.prompts()]
         params = self._params(req, prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -270,7 +253,7 @@ class OpenAIServing:
             for i, p in enumerate(prompts)
         ]
         if req.stream:
-            return _sse(self._completion_stream(req, request_id, created, gens, prompts))
+            return _sse(self._stream(_CompletionFormat(self, req), req, request_id, created, gens, prompts))
         finals = await _collect(gens, raw)
         if finals is None:
             return Response(status_code=499)
@@ -301,81 +284,14 @@ class OpenAIServing:
             }
         )
 
-    async def _completion_stream(
-        self,
-        req: CompletionRequest,
-        request_id: str,
-        created: int,
-        gens: list[AsyncIterator[RequestOutput]],
-        prompts: list[_Prompt],
-    ) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        total = len(prompts) * req.n
-        sent_chars = [0] * total
-        sent_tokens = [0] * total
-        started = [False] * total
-        next_offset = [0] * total  # text_offset of the next token (sum of the token strings sent)
-        done = [False] * total
-        finals: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            async for pi, out in _merge(gens):
-                finals[pi] = out
-                p = prompts[pi]
-                choices = []
-                for c in out.outputs:
-                    i = pi * req.n + c.index
-                    if done[i]:
-                        continue
-                    text = c.text[sent_chars[i] :]
-                    start_token = sent_tokens[i]
-                    if req.echo and not started[i]:
-                        text = self._prompt_text(p) + text
-                    started[i] = True
-                    if (
-                        not text
-                        and c.finish_reason is None
-                        and (len(c.token_ids) == start_token or req.logprobs is None)
-                    ):
-                        continue  # nothing to show yet (e.g. half a UTF-8 character held back)
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs, next_offset[i] = self._completion_logprobs(
-                            p, out, c, req.echo and start_token == 0, start_token, next_offset[i]
-                        )
-                    choice: dict[str, Any] = {
-                        "index": i,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                        if req.return_spec_stats:
-                            choice["spec_stats"] = _spec_stats(c)
-                        done[i] = True
-                    sent_chars[i], sent_tokens[i] = len(c.text), len(c.token_ids)
-                    choices.append(choice)
-                if choices:
-                    body = {**base, "choices": choices}
-                    if include_usage:
-                        body["usage"] = None
-                    yield _event(body)
-            if include_usage:
-                num_prompt = sum(len(p.token_ids) for p in prompts)
-                yield _event({**base, "choices": [], "usage": _usage(num_prompt, [f for f in finals if f])})
-        except (EngineDeadError, RequestRejectedError) as e:
-            yield _event(engine_error(e).body())
-        yield "data: [DONE]\n\n"
-
-    def _prompt_text(self, p: _Prompt) -> str:
+    def _prompt_text(self, p: Prompt) -> str:
         if p.text is not None:
             return p.text
         return self.tokenizer.decode(p.token_ids) if self.tokenizer is not None else ""
 
     def _completion_logprobs(
         self,
-        p: _Prompt,
+        p: Prompt,
         out: RequestOutput,
         c: CompletionOutput,
         echo: bool,
@@ -410,6 +326,99 @@ class OpenAIServing:
             "text_offset": offsets,
         }
         return logprobs, offset
+
+
+# ---- the two stream formats ---------------------------------------------------------------------
+
+
+@dataclass
+class _StreamedChoice:
+    """How much of one choice a stream has sent."""
+
+    index: int  # the choice's index in the response (completions: prompt index x n + sample index)
+    prompt: Prompt
+    started: bool = False
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: text_offset of the next token
+    done: bool = False
+
+
+class _StreamFormat(Protocol):
+    """What differs between a chat and a completions stream; `OpenAIServing._stream` does the rest."""
+
+    object: str
+
+    def opening(self, choices: list[_StreamedChoice]) -> list[dict[str, Any]]:
+        """The first chunk's choices (none: no opening chunk)."""
+        ...
+
+    def prefix(self, choice: _StreamedChoice) -> str:
+        """Text sent before the choice's first output text."""
+        ...
+
+    def content(self, text: str) -> dict[str, Any]:
+        """The choice's text field(s) for new text."""
+        ...
+
+    def wants_logprobs(self, c: CompletionOutput) -> bool: ...
+
+    def logprobs(self, choice: _StreamedChoice, out: RequestOutput, c: CompletionOutput, new_tokens: int) -> Any:
+        """The logprobs of the tokens since the last chunk (updates `choice.text_offset`)."""
+        ...
+
+
+class _ChatFormat:
+    object = "chat.completion.chunk"
+
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest) -> None:
+        self.serving, self.top_logprobs = serving, req.top_logprobs or 0
+
+    def opening(self, choices: list[_StreamedChoice]) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None} for c in choices]
+
+    def prefix(self, choice: _StreamedChoice) -> str:
+        return ""
+
+    def content(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text} if text else {}}
+
+    def wants_logprobs(self, c: CompletionOutput) -> bool:
+        return c.logprobs is not None
+
+    def logprobs(self, choice: _StreamedChoice, out: RequestOutput, c: CompletionOutput, new_tokens: int) -> Any:
+        if c.logprobs is None or not new_tokens:
+            return None
+        return {"content": self.serving._chat_logprobs(c, choice.sent_tokens, self.top_logprobs)}
+
+
+class _CompletionFormat:
+    object = "text_completion"
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest) -> None:
+        self.serving, self.echo, self.num_logprobs = serving, req.echo, req.logprobs
+
+    def opening(self, choices: list[_StreamedChoice]) -> list[dict[str, Any]]:
+        return []
+
+    def prefix(self, choice: _StreamedChoice) -> str:
+        return self.serving._prompt_text(choice.prompt) if self.echo else ""
+
+    def content(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
+    def wants_logprobs(self, c: CompletionOutput) -> bool:
+        return self.num_logprobs is not None
+
+    def logprobs(self, choice: _StreamedChoice, out: RequestOutput, c: CompletionOutput, new_tokens: int) -> Any:
+        if self.num_logprobs is None:
+            return None
+        echo = self.echo and choice.sent_tokens == 0
+        logprobs, choice.text_offset = self.serving._completion_logprobs(
+            choice.prompt, out, c, echo, choice.sent_tokens, choice.text_offset
+        )
+        return logprobs
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""The real SmolLM2-135M-Instruct weights: loaded from the GGUF and from a dequantized Hugging Face
+folder, fp32 greedy equals transformers' on real chat prompts, and n-gram speculation on it equals
+plain decoding.
+
+Reference: transformers loading the same GGUF itself (its own dequantization and q/k un-permutation),
+fp32. Criterion: tokens equal until the first divergence; a divergence is allowed only at a genuine
+near-tie of the reference (its logits for the two tokens within 1e-3), after which the sequences are
+not compared further.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx import LLM, SamplingParams
+from tests.real_model import CHAT_PROMPTS, messages, smollm2_gguf
+
+NEW_TOKENS = 32
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """transformers' fp32 model from the GGUF, and the same weights saved as a safetensors folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    model.hf_quantizer = None  # dequantized in memory: save it as a plain checkpoint
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return model, tok, folder
+
+
+def _reference_greedy(model, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
+    ids = torch.tensor([prompt_ids])
+    # An explicit mask: the pad id (2, <|im_end|>) occurs inside chat prompts, and generate() would
+    # otherwise infer a mask that hides those positions.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=2)
+    return out.sequences[0, len(prompt_ids):].tolist(), [lg[0] for lg in out.logits]
+
+
+def test_smollm2_fp32_greedy_equals_transformers(gguf_path: Path, reference) -> None:  # noqa: ANN001
+    model, tok, folder = reference
+    llm = LLM(str(gguf_path), dtype="float32", max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outs = llm.chat([messages(p) for p in CHAT_PROMPTS], params, use_tqdm=False)
+    compared = 0
+    for prompt, out in zip(CHAT_PROMPTS, outs, strict=True):
+        want_ids = tok.apply_chat_template(messages(prompt), tokenize=True, add_generation_prompt=True,
+                                           return_dict=False)
+        assert out.prompt_token_ids == want_ids, prompt  # the GGUF's chat template, rendered the same
+        ref_tokens, ref_logits = _reference_greedy(model, want_ids)
+        got = list(out.outputs[0].token_ids)
+        for i, (a, b) in enumerate(zip(got, ref_tokens, strict=True)):
+            if a != b:
+                gap = float(ref_logits[i][b] - ref_logits[i][a])
+                assert gap <= NEAR_TIE, f"{prompt!r}: token {i} differs ({a} vs {b}) with a reference gap of {gap}"
+                break
+            compared += 1
+    assert compared >= len(CHAT_PROMPTS) * NEW_TOKENS * 3 // 4  # near-ties are rare, not the rule
+    assert "Paris" in outs[0].outputs[0].text
+
+    # The dequantized Hugging Face folder loads to bitwise the same outputs as the GGUF itself.
+    folder_llm = LLM(str(folder), dtype="float32", max_model_len=512)
+    again = folder_llm.chat([messages(p) for p in CHAT_PROMPTS], params, use_tqdm=False)
+    for a, b in zip(outs, again, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for t, lp in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, strict=True)] == [
+            lp[t].logprob for t, lp in zip(b.outputs[0].token_ids, b.outputs[0].logprobs, strict=True)
+        ]
+
+
+def test_smollm2_ngram_speculation_equals_plain(gguf_path: Path) -> None:
+    """fp32: n-gram k = 3 on real chat text drafts, accepts some drafts, and changes no token."""
+    params = SamplingParams(temperature=0, max_tokens=48)
+    prompts = [messages(p) for p in CHAT_PROMPTS[:2]] + [messages(
+        "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.")]
+    plain = LLM(str(gguf_path), dtype="float32", max_model_len=512).chat(prompts, params, use_tqdm=False)
+    spec_llm = LLM(str(gguf_path), dtype="float32", max_model_len=512,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                       "prompt_lookup_min": 2})
+    spec = spec_llm.chat(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, spec, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    metrics = spec_llm.get_metrics()
+    assert metrics["spec_num_draft_tokens"] > 0 and metrics["spec_num_accepted_tokens"] > 0

@@ -122,10 +122,17 @@ class IncrementalDetokenizer:
         return self._text_pieces[0] if self._text_pieces else ""
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
-        """Appends the step's new output tokens; returns the text that became complete ("" if none)."""
+        """Appends the step's new output tokens; returns the text that became complete ("" if none).
+
+        Tokens are taken one at a time, so the text is the same however a step groups them: a
+        speculative step's [.., "9", <e3>] releases "..9" now, not once the character <e3> starts is
+        complete (a stop string ending in "9" must end the request at this step)."""
         if self._finished:
             raise RuntimeError("add_tokens() called after flush(); a flushed detokenizer is finished")
-        self._token_ids.extend(new_token_ids)
+        return "".join([self._add_token(token_id) for token_id in new_token_ids])
+
+    def _add_token(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):

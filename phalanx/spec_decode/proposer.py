@@ -89,17 +89,10 @@ def build_proposer(
     from phalanx.spec_decode.eagle import EagleProposer
     from phalanx.spec_decode.ngram import NgramProposer
 
-    registry: dict[str, type] = {
-        "ngram": NgramProposer,
-        "draft_model": DraftModelProposer,
-        "eagle": EagleProposer,
-        "eagle3": EagleProposer,
-    }
-    proposer = registry[spec.method](spec, target_model, target_cfg)
-    if isinstance(proposer, DraftModelProposer) and proposer.config.is_moe and expert_shard is not None:
-        assert group is not None
-        proposer.enable_expert_parallel(expert_shard, group)
-    return proposer  # type: ignore[no-any-return]
+    if spec.method == "draft_model":  # the one drafter that may hold MoE experts: loads its shard only
+        return DraftModelProposer(spec, target_model, target_cfg, expert_shard, group)
+    registry: dict[str, type] = {"ngram": NgramProposer, "eagle": EagleProposer, "eagle3": EagleProposer}
+    return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
 
 
 @dataclass

@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("cache_write", torch::wrap_pybind_function(cache_write), "cache_write");
   m.def("pack_pairs", torch::wrap_pybind_function(pack_pairs), "pack_pairs");
-  m.def("pair_linear", torch::wrap_pybind_function(pair_linear), "pair_linear");
-  m.def("pair_linear_supported", torch::wrap_pybind_function(pair_linear_supported), "pair_linear_supported");
+  m.def("gemm", torch::wrap_pybind_function(gemm), "gemm");
+  m.def("gemm_isas", torch::wrap_pybind_function(gemm_isas), "gemm_isas");
   m.def("fused_layer", torch::wrap_pybind_function(fused_layer), "fused_layer");
   m.def("eagle_chain", torch::wrap_pybind_function(eagle_chain), "eagle_chain");
   m.def("model_chain", torch::wrap_pybind_function(model_chain), "model_chain");

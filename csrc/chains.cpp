@@ -61,19 +61,19 @@ at::Tensor last_rows(const at::Tensor& x, int64_t R, int64_t q) {  // rows q-1, 
 // Pass 0 runs the [R, qlen] grid of token ids `ids` [R * qlen] with `feed` [R * qlen, H] at positions
 // start[r] .. start[r] + qlen - 1 and drafts from each request's last row; pass p >= 1 feeds each
 // request's previous draft with the head's previous output at position start[r] + qlen + p - 1.
-// fc (EAGLE-1) and logits_head are (packed, bias, pairs) like a fused layer's linears, out_features
+// fc (EAGLE-1) and logits_head are (packed, bias) like a fused layer's linears, out_features
 // their widths; cos / sin the whole rotary tables [P, D]. Returns the drafts [R, passes].
 at::Tensor eagle_chain(at::Tensor ids, at::Tensor feed, at::Tensor start, int64_t qlen,
                           at::Tensor block_table, int64_t block_size, int64_t passes, at::Tensor embed,
                           std::vector<at::Tensor> fc, std::vector<at::Tensor> logits_head,
                           std::vector<int64_t> out_features, std::vector<at::Tensor> eagle3, at::Tensor ln2,
                           double eps, std::vector<at::Tensor> linears, std::vector<int64_t> widths,
-                          std::vector<int64_t> heads, double scale, int64_t pair_rows, at::Tensor cos_table,
+                          std::vector<int64_t> heads, double scale, int64_t isa, at::Tensor cos_table,
                           at::Tensor sin_table, at::Tensor kv_cache) {
-  const auto w = layer_weights(std::nullopt, ln2, eps, linears, widths, heads, scale, pair_rows);
+  const auto w = layer_weights(std::nullopt, ln2, eps, linears, widths, heads, scale, isa);
   const bool is3 = !eagle3.empty();
-  TORCH_CHECK(logits_head.size() == 3 && out_features.size() == 2 && (is3 ? eagle3.size() == 4 && fc.empty() : fc.size() == 3),
-              "eagle_chain: logits_head (and EAGLE-1's fc) are (packed, bias, pairs), out_features their widths; "
+  TORCH_CHECK(logits_head.size() == 2 && out_features.size() == 2 && (is3 ? eagle3.size() == 4 && fc.empty() : fc.size() == 2),
+              "eagle_chain: logits_head (and EAGLE-1's fc) are (packed, bias), out_features their widths; "
               "EAGLE-3 passes [input_layernorm, hidden_norm, norm, d2t] and no fc");
   const Linear fc_l = is3 ? Linear{} : make_linear(fc.data(), out_features[0]);
   const Linear head_l = make_linear(logits_head.data(), out_features[1]);
@@ -95,12 +95,12 @@ at::Tensor eagle_chain(at::Tensor ids, at::Tensor feed, at::Tensor start, int64_
                            rms_norm_impl(feed, std::nullopt, eagle3[1], eps)[0]}, 1);
       layer = attn_mlp(w, x, feed, cos, sin, kv_cache, slots, grid_plan(block_table, visible));
     } else {
-      auto x = apply(fc_l, at::cat({embeds, feed}, 1), pair_rows);
+      auto x = apply(fc_l, at::cat({embeds, feed}, 1), isa);
       layer = attn_mlp(w, x, x, cos, sin, kv_cache, slots, grid_plan(block_table, visible));
     }
     feed = last_rows(layer[1] + layer[0], R, q);
     auto for_logits = is3 ? rms_norm_impl(feed, std::nullopt, eagle3[2], eps)[0] : feed;
-    ids = argmax_rows(apply(head_l, for_logits, pair_rows));
+    ids = argmax_rows(apply(head_l, for_logits, isa));
     if (is3) ids = ids + eagle3[3].index_select(0, ids);
     drafts.select(1, p).copy_(ids);
   }
@@ -118,16 +118,16 @@ at::Tensor eagle_chain(at::Tensor ids, at::Tensor feed, at::Tensor start, int64_
 at::Tensor model_chain(at::Tensor ids, at::Tensor start, int64_t qlen, at::Tensor block_table,
                           int64_t block_size, int64_t passes, at::Tensor embed,
                           std::vector<std::vector<at::Tensor>> layers, std::vector<int64_t> widths,
-                          std::vector<int64_t> heads, double scale, double eps, int64_t pair_rows, at::Tensor norm,
+                          std::vector<int64_t> heads, double scale, double eps, int64_t isa, at::Tensor norm,
                           std::vector<at::Tensor> logits_head, int64_t vocab, at::Tensor cos_table,
                           at::Tensor sin_table, std::vector<at::Tensor> kv_caches) {
-  TORCH_CHECK(!layers.empty() && layers.size() == kv_caches.size() && logits_head.size() == 3,
-              "model_chain: one [ln1, ln2, linears...] entry and one KV cache per layer; logits_head is (packed, bias, pairs)");
+  TORCH_CHECK(!layers.empty() && layers.size() == kv_caches.size() && logits_head.size() == 2,
+              "model_chain: one [ln1, ln2, linears...] entry and one KV cache per layer; logits_head is (packed, bias)");
   std::vector<LayerWeights> w;
   for (const auto& l : layers) {
-    TORCH_CHECK(l.size() == 14, "model_chain: a layer is [input norm, post-attention norm, 12 linear tensors]");
+    TORCH_CHECK(l.size() == 10, "model_chain: a layer is [input norm, post-attention norm, 8 linear tensors]");
     w.push_back(layer_weights(l[0], l[1], eps, std::vector<at::Tensor>(l.begin() + 2, l.end()), widths, heads, scale,
-                              pair_rows));
+                              isa));
   }
   const Linear head_l = make_linear(logits_head.data(), vocab);
   block_table = block_table.contiguous();
@@ -148,7 +148,7 @@ at::Tensor model_chain(at::Tensor ids, at::Tensor start, int64_t qlen, at::Tenso
       residual = out[1];
     }
     auto normed = last_rows(rms_norm_impl(delta, residual, norm, eps)[0], R, q);
-    ids = argmax_rows(apply(head_l, normed, pair_rows));
+    ids = argmax_rows(apply(head_l, normed, isa));
     drafts.select(1, p).copy_(ids);
   }
   return drafts;

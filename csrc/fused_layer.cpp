@@ -19,10 +19,8 @@
 
 namespace phalanx {
 
-// A linear from its three tensors as Python passes them (packed, bias, pairs; an empty tensor: none).
 Linear make_linear(const at::Tensor* t, int64_t out_features) {
-  auto opt = [](const at::Tensor& x) { return x.numel() ? x : at::Tensor(); };
-  return {t[0], opt(t[1]), opt(t[2]), out_features};
+  return {t[0], t[1].numel() ? t[1] : at::Tensor(), out_features};
 }
 
 at::Tensor onednn_linear(const at::Tensor& x, const Linear& l) {
@@ -34,9 +32,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const Linear& l) {
   return stack[0].toTensor();
 }
 
-at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t pair_rows) {
-  if (l.pairs.defined() && x.size(0) <= pair_rows && x.is_contiguous()) return pair_linear(x, l.pairs, l.out_features);
-  return onednn_linear(x, l);
+at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t isa) {
+  if (isa == 0) return onednn_linear(x, l);
+  return gemm(x, l.packed, l.out_features, l.bias.defined() ? std::optional<at::Tensor>(l.bias) : std::nullopt, isa);
 }
 
 
@@ -80,18 +78,16 @@ at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_c
 }
 
 
-// linears: per layer [qkv, o, gate_up, down] x (packed, bias, pairs) — an empty tensor for "none";
-// widths their out features; heads [num_heads, num_kv_heads, head_dim].
 LayerWeights layer_weights(std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
                            const std::vector<at::Tensor>& linears, const std::vector<int64_t>& widths,
-                           const std::vector<int64_t>& heads, double scale, int64_t pair_rows) {
-  TORCH_CHECK(linears.size() == 12 && widths.size() == 4 && heads.size() == 3,
-              "fused layer: linears are [qkv, o, gate_up, down] x (packed, bias, pairs), widths their out "
+                           const std::vector<int64_t>& heads, double scale, int64_t isa) {
+  TORCH_CHECK(linears.size() == 8 && widths.size() == 4 && heads.size() == 3,
+              "fused layer: linears are [qkv, o, gate_up, down] x (packed, bias), widths their out "
               "features, heads [num_heads, num_kv_heads, head_dim]");
   TORCH_CHECK(widths[0] == (heads[0] + 2 * heads[1]) * heads[2], "fused layer: qkv width disagrees with the heads");
   Linear l[4];
-  for (int i = 0; i < 4; ++i) l[i] = make_linear(&linears[3 * i], widths[i]);
-  return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], pair_rows, eps, scale};
+  for (int i = 0; i < 4; ++i) l[i] = make_linear(&linears[2 * i], widths[i]);
+  return {ln1, ln2, l[0], l[1], l[2], l[3], heads[0], heads[1], heads[2], isa, eps, scale};
 }
 
 // The layer from its attention input `x_in` and the residual stream `res` on: returns (the MLP's
@@ -99,15 +95,15 @@ LayerWeights layer_weights(std::optional<at::Tensor> ln1, at::Tensor ln2, double
 std::vector<at::Tensor> attn_mlp(const LayerWeights& w, at::Tensor x_in, at::Tensor res, at::Tensor cos,
                                     at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, const AttnPlan& plan) {
   const int64_t H = w.H, KVH = w.KVH, D = w.D, T = x_in.size(0);
-  auto qkv = apply(w.qkv, x_in, w.pair_rows);  // [T, (H + 2 KVH) D]
+  auto qkv = apply(w.qkv, x_in, w.isa);  // [T, (H + 2 KVH) D]
   auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
   auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
   cache_write(kv_cache, qk.slice(1, H, H + KVH), v, slots);
   auto attn = attend(plan, qk.slice(1, 0, H), kv_cache, w.scale);
-  auto o = apply(w.o, attn, w.pair_rows);
+  auto o = apply(w.o, attn, w.isa);
   auto post = rms_norm_impl(o, res, w.ln2, w.eps);  // (norm(o + res), o + res)
-  auto act = silu_mul(apply(w.gate_up, post[0], w.pair_rows));
-  return {apply(w.down, act, w.pair_rows), post[1]};
+  auto act = silu_mul(apply(w.gate_up, post[0], w.isa));
+  return {apply(w.down, act, w.isa), post[1]};
 }
 
 // A decoder layer: the input norm (none without ln1; with `residual`, the residual add fused into
@@ -127,7 +123,7 @@ std::vector<at::Tensor> layer_impl(const LayerWeights& w, at::Tensor delta, std:
 std::vector<at::Tensor> fused_layer(at::Tensor delta, std::optional<at::Tensor> residual,
                                        std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
                                        std::vector<at::Tensor> linears, std::vector<int64_t> widths,
-                                       std::vector<int64_t> heads, double scale, int64_t pair_rows, at::Tensor cos,
+                                       std::vector<int64_t> heads, double scale, int64_t isa, at::Tensor cos,
                                        at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
                                        std::optional<at::Tensor> dec_table, std::optional<at::Tensor> dec_visible,
                                        std::optional<at::Tensor> dec_idx, std::optional<at::Tensor> dec_sel,
@@ -136,7 +132,7 @@ std::vector<at::Tensor> fused_layer(at::Tensor delta, std::optional<at::Tensor> 
   auto get = [](const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
   const AttnPlan plan{get(dec_table), get(dec_visible), get(dec_idx), get(dec_sel), get(dec_rows),
                       pre_bounds, pre_tables, pre_visibles};
-  return layer_impl(layer_weights(ln1, ln2, eps, linears, widths, heads, scale, pair_rows), delta, residual, cos, sin,
+  return layer_impl(layer_weights(ln1, ln2, eps, linears, widths, heads, scale, isa), delta, residual, cos, sin,
                     kv_cache, slots, plan);
 }
 

@@ -10,18 +10,19 @@
 
 namespace phalanx {
 
-// One linear of a fused layer: its oneDNN-packed weight (``layers.linear.PackedLinear.packed``), its
-// bias (undefined: none) and its pair_linear copy (undefined: none), used as PackedLinear.forward
-// does: pair_linear for up to `pair_rows` rows when the copy exists, oneDNN's packed linear otherwise.
+// One linear of a fused layer as ``layers.linear.PackedLinear`` holds it: its packed weight (`gemm`'s
+// pairs, or oneDNN's blocked layout when the layer's path is 0), its bias (undefined: none) and
+// its out features.
 struct Linear {
-  at::Tensor packed, bias, pairs;
+  at::Tensor packed, bias;
   int64_t out_features;
 };
 
-// A linear from its three tensors as Python passes them (packed, bias, pairs; an empty tensor: none).
+// A linear from its two tensors as Python passes them (packed, bias; an empty tensor: none).
 Linear make_linear(const at::Tensor* t, int64_t out_features);
-// y = x W^T (+ b) as PackedLinear.forward computes it.
-at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t pair_rows);
+// y = x W^T (+ b) as PackedLinear.forward computes it: `gemm` on path `isa` (1, 2), or oneDNN's
+// packed linear (0).
+at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t isa);
 
 // Where a layer's queries attend, grouped as the module path groups them (``attention.torch_paged``):
 // the decode group's [Bd, Qd] query grid over `dec_table` / `dec_visible` (undefined: none) — the flat
@@ -43,15 +44,15 @@ struct LayerWeights {
   std::optional<at::Tensor> ln1;
   at::Tensor ln2;
   Linear qkv, o, gate_up, down;
-  int64_t H, KVH, D, pair_rows;
+  int64_t H, KVH, D, isa;
   double eps, scale;
 };
 
-// linears: per layer [qkv, o, gate_up, down] x (packed, bias, pairs) — an empty tensor for "none";
+// linears: [qkv, o, gate_up, down] x (packed, bias) — an empty tensor for "none";
 // widths their out features; heads [num_heads, num_kv_heads, head_dim].
 LayerWeights layer_weights(std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
                            const std::vector<at::Tensor>& linears, const std::vector<int64_t>& widths,
-                           const std::vector<int64_t>& heads, double scale, int64_t pair_rows);
+                           const std::vector<int64_t>& heads, double scale, int64_t isa);
 // The layer from its attention input `x_in` and the residual stream `res` on: returns (the MLP's
 // output, the residual stream before it).
 std::vector<at::Tensor> attn_mlp(const LayerWeights& w, at::Tensor x_in, at::Tensor res, at::Tensor cos,

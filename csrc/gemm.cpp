@@ -1,19 +1,34 @@
+// The batch-invariant bf16 GEMM: y = x W^T (+ b) for x [M, K] with any M (one decode row to a
+// whole prompt), W [N, K] packed once by `pack_pairs`. It serves every bf16 linear of a model,
+// its logits head and its MoE experts (``layers.linear.PackedLinear``, the fused layer, the
+// drafting chains).
+//
+// The summation order. Every output y[m, n] is one float32 accumulator that starts at zero and takes
+// the products of row m and column n in one fixed sequence, k pair p = 0, 1, ..., ceil(K / 2) - 1:
+//     acc = fma(x[m, 2p + 1], w[n, 2p + 1], acc);  acc = fma(x[m, 2p], w[n, 2p], acc)
+// (a bf16 x bf16 product is exact in float32, so each step rounds once, to nearest even; denormal
+// inputs count as zero, denormal results flush to zero; an odd K's last pair has a zero second
+// half), then acc + b[n] when there is a bias, then one rounding to bf16 (nearest even, denormals to
+// zero). That is the definition of the AVX512-BF16 instruction VDPBF16PS (Intel SDM) walked along
+// the packed pairs; the AVX2 path computes the same steps with float32 FMAs under MXCSR's DAZ / FTZ,
+// so both paths give the same bits. Nothing in the sequence depends on M, on which rows share a
+// register tile, on how the rows and columns are split between threads, or on the path: a row's
+// result is the same whether the call has one row or thousands (batch invariance), on any CPU that
+// runs either path.
+//
+// The register tiles: MR rows x NR blocks of 16 columns, each (row, block) one accumulator register
+// walking the whole K (no K split); the weight panel of a tile is streamed once per MR rows. Work
+// items are (a chunk of up to 96 rows, 4 column blocks), split over threads in order; a thread runs
+// only for enough work to pay for its wake-up.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <xmmintrin.h>
 
 #include "common.h"
 #include "gemm.h"
 
 namespace phalanx {
 
-// ---- few-row bf16 linear: y = x W^T for x [M, K] with small M (decode and drafting) ---------------
-// oneDNN's packed linear costs ~18 us per call at 1-4 rows whatever the size (its fixed overhead is
-// most of a small layer's time). This one streams a copy of W packed in AVX512-BF16 pairs,
-// [ceil(N / 16)][ceil(K / 2)][16 outputs][2], with one float32 accumulator per output lane, the k
-// pairs in order within blocks of 512 (block sums added in order, as oneDNN's one-row kernel does)
-// and one rounding at the end: bitwise oneDNN's result at one row, and at 2-4 rows when K <= 512
-// (where oneDNN's multi-row order is the same); every row's result is the same whatever the row count.
-// `pair_linear_module` checks the match on the running CPU before anything uses it.
 at::Tensor pack_pairs(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_pairs: w must be a bfloat16 [N, K] matrix");
   w = w.contiguous();
@@ -21,93 +36,225 @@ at::Tensor pack_pairs(at::Tensor w) {
   auto out = at::zeros({NB, KP, 16, 2}, w.options());
   const uint16_t* wp = u16(w);
   uint16_t* op = u16_mut(out);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) op[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2] = wp[n * K + k];
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; ++k) op[(((n / 16) * KP + k / 2) * 16 + n % 16) * 2 + k % 2] = wp[n * K + k];
+  });
   return out;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool kPairLinear = true;
-// oneDNN sums K in blocks of 512 (256 pairs): each block from zero, then added to the running total.
-constexpr int64_t kPairKBlock = 256;
+namespace {
 
-// T blocks of 16 outputs for M rows: T * M independent accumulators hide the dot-product latency
-// without splitting any output's sum.
-template <int M, int T>
-inline void pair_tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb, uint16_t* y,
-                      int64_t N) {
-  __m512 acc[T][M], total[T][M];
+constexpr int64_t kChunkRows = 96;  // rows per work item: their x stays in cache while the weights pass
+constexpr int64_t kItemBlocks = 4;  // column blocks (of 16) per work item
+constexpr unsigned kDazFtz = 0x8040;  // MXCSR: denormals are zero (bit 6), flush to zero (bit 15)
+
+// The pair (x[m, 2p], x[m, 2p + 1]) as one 32-bit word (low half: the even element); past an odd
+// K's end, (x[m, K - 1], 0).
+inline uint32_t x_pair(const uint16_t* row, int64_t p, int64_t full_pairs) {
+  uint32_t pair = row[2 * p];
+  if (p < full_pairs) std::memcpy(&pair, row + 2 * p, 4);
+  return pair;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kHasAvx512Bf16 = true;
+
+// MR rows x NR blocks: y[m, (nb + t) * 16 + j] for m < MR, t < NR, j < 16 (columns past N not stored).
+template <int MR, int NR>
+inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb, const float* bias,
+                      uint16_t* y, int64_t N) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
   const uint16_t* wb = w + nb * KP * 32;
   const int64_t full = K / 2;
-  for (int64_t k0 = 0; k0 < KP; k0 += kPairKBlock) {
-    for (int t = 0; t < T; ++t)
-      for (int m = 0; m < M; ++m) acc[t][m] = _mm512_setzero_ps();
-    const int64_t k1 = std::min<int64_t>(KP, k0 + kPairKBlock);
-    for (int64_t kp = k0; kp < k1; ++kp) {
-      __m512bh xb[M];
-      for (int m = 0; m < M; ++m) {
-        uint32_t pair = x[m * K + 2 * kp];  // an odd K's last pair is (x, 0) against (w, 0)
-        if (kp < full) std::memcpy(&pair, x + m * K + 2 * kp, 4);
-        xb[m] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + (t * KP + kp) * 32);
-        for (int m = 0; m < M; ++m) acc[t][m] = _mm512_dpbf16_ps(acc[t][m], xb[m], wv);
-      }
+  for (int64_t p = 0; p < KP; ++p) {
+    __m512bh wv[NR];
+    for (int t = 0; t < NR; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(wb + (t * KP + p) * 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pair(x + m * K, p, full)));
+      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
     }
-    for (int t = 0; t < T; ++t)
-      for (int m = 0; m < M; ++m) total[t][m] = k0 == 0 ? acc[t][m] : _mm512_add_ps(total[t][m], acc[t][m]);
   }
-  for (int t = 0; t < T; ++t) {
+  for (int t = 0; t < NR; ++t) {
     const int64_t n0 = (nb + t) * 16, cnt = std::min<int64_t>(16, N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1);
-    for (int m = 0; m < M; ++m)
-      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(total[t][m]));
+    const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = bias ? _mm512_add_ps(acc[m][t], b) : acc[m][t];
+      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
   }
 }
 
-template <int M>
-void pair_rows(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1, uint16_t* y,
-               int64_t N) {
-  constexpr int T = M == 1 ? 8 : 4;
+// MR rows against column blocks [nb0, nb1): panels of NR blocks, then single blocks.
+template <int MR>
+inline void rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1,
+                      const float* bias, uint16_t* y, int64_t N) {
+  constexpr int NR = MR <= 2 ? 8 : 4;  // MR * NR accumulators + NR weight registers fit the 32 zmm
   int64_t nb = nb0;
-  for (; nb + T <= nb1; nb += T) pair_tile<M, T>(x, K, w, KP, nb, y, N);
-  for (; nb < nb1; ++nb) pair_tile<M, 1>(x, K, w, KP, nb, y, N);
+  for (; nb + NR <= nb1; nb += NR) tile_bf16<MR, NR>(x, K, w, KP, nb, bias, y, N);
+  for (; nb < nb1; ++nb) tile_bf16<MR, 1>(x, K, w, KP, nb, bias, y, N);
+}
+
+// Rows [0, M) of x / y against column blocks [nb0, nb1): panel by panel, every row tile per panel.
+void run_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1,
+              const float* bias, uint16_t* y, int64_t N) {
+  constexpr int MR = 6;
+  const int64_t panel = M <= 2 ? 8 : 4;
+  for (int64_t p0 = nb0; p0 < nb1; p0 += panel) {
+    const int64_t p1 = std::min(nb1, p0 + panel);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const uint16_t* xm = x + m0 * K;
+      uint16_t* ym = y + m0 * N;
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 6: rows_bf16<6>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+        case 5: rows_bf16<5>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+        case 4: rows_bf16<4>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+        case 3: rows_bf16<3>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+        case 2: rows_bf16<2>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+        default: rows_bf16<1>(xm, K, w, KP, p0, p1, bias, ym, N); break;
+      }
+    }
+  }
 }
 #else
-constexpr bool kPairLinear = false;
+constexpr bool kHasAvx512Bf16 = false;
+void run_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, const float*, uint16_t*,
+              int64_t) {}
 #endif
 
-bool pair_linear_supported() { return kPairLinear; }
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kHasAvx2 = true;
 
-at::Tensor pair_linear(at::Tensor x, at::Tensor packed, int64_t N) {
-  TORCH_CHECK(kPairLinear, "pair_linear: this build has no AVX512-BF16");
-  check_bf16_rows(x, "pair_linear");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "pair_linear: x must be a contiguous [M, K] matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.size(1) == (x.size(1) + 1) / 2 &&
-              packed.size(0) == (N + 15) / 16 && packed.scalar_type() == at::kBFloat16,
-              "pair_linear: packed must be pack_pairs of an [N, K] weight with K = x.size(1)");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+// float32 -> bf16 bits as VCVTNEPS2BF16 rounds (8 lanes): zero and denormals -> signed zero, NaN ->
+// its top half made quiet, everything else (infinities included) to nearest even.
+inline __m128i to_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i exponent = _mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000));
+  const __m256i tiny = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000));
+  out = _mm256_blendv_epi8(out, sign, tiny);
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
+  out = _mm256_blendv_epi8(out, quiet, nan);
+  const __m256i packed = _mm256_packus_epi32(out, out);  // per 128-bit lane: 4 words, twice
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes 0 and 2
+}
+
+// MR rows x one block of 16 columns (two 8-lane halves), the VDPBF16PS steps with FMAs (the
+// caller set DAZ / FTZ): the odd element of each pair, then the even one.
+template <int MR>
+inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb, const float* bias,
+                      uint16_t* y, int64_t N) {
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const uint16_t* wb = w + nb * KP * 32;
+  const int64_t full = K / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < KP; ++p) {
+    __m256 even[2], odd[2];
+    for (int h = 0; h < 2; ++h) {  // 8 columns x (even, odd) as 32-bit words (odd << 16 | even)
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t pair = x_pair(x + m * K, p, full);
+      const uint32_t hi = pair & 0xFFFF0000u, lo = pair << 16;
+      float xo, xe;
+      std::memcpy(&xo, &hi, 4);
+      std::memcpy(&xe, &lo, 4);
+      const __m256 vo = _mm256_set1_ps(xo), ve = _mm256_set1_ps(xe);
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(ve, even[h], _mm256_fmadd_ps(vo, odd[h], acc[m][h]));
+    }
+  }
+  const int64_t n0 = nb * 16, cnt = std::min<int64_t>(16, N - n0);
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) uint16_t out[16];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + n0 + 8 * h)) : acc[m][h];
+      _mm_store_si128(reinterpret_cast<__m128i*>(out + 8 * h), to_bf16_avx2(v));
+    }
+    std::memcpy(y + m * N + n0, out, cnt * sizeof(uint16_t));
+  }
+}
+
+void run_avx2(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1,
+              const float* bias, uint16_t* y, int64_t N) {
+  constexpr int MR = 4;  // 8 accumulators + 4 weight + 2 broadcast registers of the 16 ymm
+  for (int64_t nb = nb0; nb < nb1; ++nb)
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const uint16_t* xm = x + m0 * K;
+      uint16_t* ym = y + m0 * N;
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 4: tile_avx2<4>(xm, K, w, KP, nb, bias, ym, N); break;
+        case 3: tile_avx2<3>(xm, K, w, KP, nb, bias, ym, N); break;
+        case 2: tile_avx2<2>(xm, K, w, KP, nb, bias, ym, N); break;
+        default: tile_avx2<1>(xm, K, w, KP, nb, bias, ym, N); break;
+      }
+    }
+}
+#else
+constexpr bool kHasAvx2 = false;
+void run_avx2(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, const float*, uint16_t*,
+              int64_t) {}
+#endif
+
+}  // namespace
+
+std::vector<int64_t> gemm_isas() {
+  std::vector<int64_t> isas;
+  if (kHasAvx512Bf16) isas.push_back(kGemmAvx512Bf16);
+  if (kHasAvx2) isas.push_back(kGemmAvx2);
+  return isas;
+}
+
+at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK((isa == kGemmAvx512Bf16 && kHasAvx512Bf16) || (isa == kGemmAvx2 && kHasAvx2), "gemm: path ", isa,
+              " is not in this build (2: AVX512-BF16, here ", kHasAvx512Bf16, "; 1: AVX2, here ", kHasAvx2, ")");
+  check_bf16_rows(x, "gemm");
+  TORCH_CHECK(x.dim() == 2, "gemm: x must be an [M, K] matrix");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.size(1) == (K + 1) / 2 &&
+                  packed.size(0) == (N + 15) / 16 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "gemm: packed must be pack_pairs of an [N, K] weight with K = x.size(1) = ", K, " and N = ", N);
+  const int64_t NB = packed.size(0), KP = packed.size(1);
+  std::vector<float> bias_f;  // float32, zero-padded to whole blocks
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "gemm: bias must be [", N, "]");
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f.assign(NB * 16, 0.f);
+    std::memcpy(bias_f.data(), b.data_ptr<float>(), N * sizeof(float));
+  }
   auto out = at::empty({M, N}, x.options());
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (M == 0 || N == 0) return out;
   const uint16_t* xp = u16(x);
   const uint16_t* wp = u16(packed);
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   uint16_t* y = u16_mut(out);
-  // chunks of 8 output blocks; a thread only for >= ~128 KB of weights
-  const int64_t chunks = (NB + 7) / 8, grain = std::max<int64_t>(1, (int64_t{1} << 17) / (KP * 32 * 8));
-  at::parallel_for(0, chunks, grain, [&](int64_t b, int64_t e) {
-    const int64_t nb0 = b * 8, nb1 = std::min<int64_t>(NB, e * 8);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m0);
-      const uint16_t* xm = xp + m0 * K;
-      uint16_t* ym = y + m0 * N;
-      if (rows == 4) pair_rows<4>(xm, K, wp, KP, nb0, nb1, ym, N);
-      else if (rows == 3) pair_rows<3>(xm, K, wp, KP, nb0, nb1, ym, N);
-      else if (rows == 2) pair_rows<2>(xm, K, wp, KP, nb0, nb1, ym, N);
-      else pair_rows<1>(xm, K, wp, KP, nb0, nb1, ym, N);
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, groups = (NB + kItemBlocks - 1) / kItemBlocks;
+  // a thread only for >= ~64K multiply-adds (a wake-up costs a few microseconds)
+  const int64_t item_work = std::min(M, kChunkRows) * kItemBlocks * 16 * K;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(item_work, 1));
+  at::parallel_for(0, chunks * groups, grain, [&](int64_t begin, int64_t end) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | kDazFtz);
+    for (int64_t item = begin; item < end;) {  // items are chunk-major: merge a chunk's consecutive groups
+      const int64_t c = item / groups, g0 = item % groups, g1 = std::min(groups, g0 + (end - item));
+      item += g1 - g0;
+      const int64_t m0 = c * kChunkRows, rows = std::min(kChunkRows, M - m0);
+      const int64_t nb0 = g0 * kItemBlocks, nb1 = std::min(NB, g1 * kItemBlocks);
+      if (isa == kGemmAvx512Bf16) run_bf16(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
+      else run_avx2(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
     }
+    _mm_setcsr(csr);
   });
-#endif
   return out;
 }
 

@@ -1,17 +1,29 @@
-// bf16 linears on the CPU's own dot-product instructions (see gemm.cpp).
+// The batch-invariant bf16 GEMM: y = x W^T (+ b) for every bf16 linear, the logits head and the
+// MoE experts (see gemm.cpp for the summation order it guarantees).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace phalanx {
 
-// W [N, K] bf16 -> [ceil(N / 16)][ceil(K / 2)][16][2]: AVX512-BF16 pairs of 16 output columns.
+// The instruction-set paths of `gemm`. Both compute the same numbers (gemm.cpp); `kGemmAvx2`
+// emulates the AVX512-BF16 dot product with float32 FMAs for CPUs without it.
+constexpr int64_t kGemmAvx2 = 1;
+constexpr int64_t kGemmAvx512Bf16 = 2;
+
+// W [N, K] bf16 -> [ceil(N / 16)][ceil(K / 2)][16][2]: for each block of 16 output columns, K in
+// pairs, each pair's two weights adjacent (the AVX512-BF16 operand layout; zero padding past N, K).
 at::Tensor pack_pairs(at::Tensor w);
-// Whether this build has the AVX512-BF16 kernel behind pair_linear.
-bool pair_linear_supported();
-// y = x W^T for x [M, K] bf16 (contiguous) and W packed by pack_pairs; N = W's rows.
-at::Tensor pair_linear(at::Tensor x, at::Tensor packed, int64_t N);
+
+// The paths this build has (its -march), best first; empty below AVX2 + FMA.
+std::vector<int64_t> gemm_isas();
+
+// y [M, N] = x [M, K] W^T (+ bias [N]) with W packed by `pack_pairs`, on path `isa`.
+at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                int64_t isa);
 
 }  // namespace phalanx

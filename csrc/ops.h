@@ -33,7 +33,7 @@ at::Tensor argmax_rows(at::Tensor x);
 std::vector<at::Tensor> fused_layer(at::Tensor delta, std::optional<at::Tensor> residual,
                                     std::optional<at::Tensor> ln1, at::Tensor ln2, double eps,
                                     std::vector<at::Tensor> linears, std::vector<int64_t> widths,
-                                    std::vector<int64_t> heads, double scale, int64_t pair_rows, at::Tensor cos,
+                                    std::vector<int64_t> heads, double scale, int64_t isa, at::Tensor cos,
                                     at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
                                     std::optional<at::Tensor> dec_table, std::optional<at::Tensor> dec_visible,
                                     std::optional<at::Tensor> dec_idx, std::optional<at::Tensor> dec_sel,
@@ -45,12 +45,12 @@ at::Tensor eagle_chain(at::Tensor ids, at::Tensor feed, at::Tensor start, int64_
                        int64_t block_size, int64_t passes, at::Tensor embed, std::vector<at::Tensor> fc,
                        std::vector<at::Tensor> logits_head, std::vector<int64_t> out_features,
                        std::vector<at::Tensor> eagle3, at::Tensor ln2, double eps, std::vector<at::Tensor> linears,
-                       std::vector<int64_t> widths, std::vector<int64_t> heads, double scale, int64_t pair_rows,
+                       std::vector<int64_t> widths, std::vector<int64_t> heads, double scale, int64_t isa,
                        at::Tensor cos_table, at::Tensor sin_table, at::Tensor kv_cache);
 at::Tensor model_chain(at::Tensor ids, at::Tensor start, int64_t qlen, at::Tensor block_table, int64_t block_size,
                        int64_t passes, at::Tensor embed, std::vector<std::vector<at::Tensor>> layers,
                        std::vector<int64_t> widths, std::vector<int64_t> heads, double scale, double eps,
-                       int64_t pair_rows, at::Tensor norm, std::vector<at::Tensor> logits_head, int64_t vocab,
+                       int64_t isa, at::Tensor norm, std::vector<at::Tensor> logits_head, int64_t vocab,
                        at::Tensor cos_table, at::Tensor sin_table, std::vector<at::Tensor> kv_caches);
 
 }  // namespace phalanx

@@ -53,14 +53,18 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.exchange: ExpertExchange | None = None
-        # bf16 on CPU: per-expert (w13, w2) packed for oneDNN once loaded (`prepack`)
+        # bf16 on CPU: per-expert (w13, w2) packed once loaded (`prepack`)
         self.packed_experts: list[tuple[PackedLinear, PackedLinear]] | None = None
 
-    def prepack(self) -> None:
-        """Pack this rank's expert weights for oneDNN (after loading; layers.linear). The stacked
-        dense tensors stay: they are small next to a dense model's layers."""
+    def prepack(self, isa: int | None = None) -> None:
+        """Pack this rank's expert weights for the bf16 GEMM (after loading; ``layers.linear``: the
+        experts are linears like any other, batch-invariant on the kernels' GEMM). The stacked dense
+        tensors are dropped: the packed experts are the only copy."""
         if prepack_supported(self.w13.dtype):
-            self.packed_experts = [(PackedLinear(a, None), PackedLinear(b, None)) for a, b in zip(self.w13, self.w2)]
+            self.packed_experts = [(PackedLinear(a, None, isa), PackedLinear(b, None, isa))
+                                   for a, b in zip(self.w13, self.w2)]
+            self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+            self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
     def shard(self, first: int, last: int) -> None:
         """Keep only experts [first, last) (expert parallelism); call before loading weights."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from phalanx.models.llama import (
     _copy_shard,
     fused_parts,
     map_hf_name,
-    packed_triplet,
+    packed_pair,
 )
 from phalanx.models.loader import iterate_weights
 from phalanx.ops import cpu as cpu_ops
@@ -72,7 +72,7 @@ class _HeadBase(nn.Module):
         )
         self.embed_tokens: nn.Embedding | None = None  # own embedding only if the checkpoint has one
         self.argmax = cpu_ops.argmax_fn(cfg.dtype)  # over [N, V] logits, in the head's dtype
-        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
+        self._chain: EagleChain | None | bool = False  # `chain_form` (False: not resolved yet)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -113,27 +113,36 @@ class _HeadBase(nn.Module):
     def _own_lm_head(self, tensor: torch.Tensor) -> None:
         self.lm_head = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=self.config.dtype)
 
-    def chain_form(self) -> tuple | None:
+    def chain_form(self) -> EagleChain | None:
         """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: several drafting passes
         in one call) when this head can use it — one layer running wholly on the fused kernels, with
-        packed fc and logits head — else None. Resolved once."""
+        fc and logits head packed on the layer's GEMM path — else None. Resolved once."""
         if self._chain is False:
             self._chain = self._resolve_chain() if len(self.layers) == 1 else None
         return self._chain  # type: ignore[return-value]
 
-    def _resolve_chain(self) -> tuple | None:
+    def _resolve_chain(self) -> EagleChain | None:
         raise NotImplementedError
 
     def _chain_args(self, parts: FusedParts | None, fc: nn.Module | None, logits_head: nn.Module | None,
-                    eagle3: list[torch.Tensor]) -> tuple | None:
-        if parts is None or not all(isinstance(x, PackedLinear) for x in (fc, logits_head) if x is not None):
+                    eagle3: list[torch.Tensor]) -> EagleChain | None:
+        linears = [x for x in (fc, logits_head) if x is not None]
+        if parts is None or not all(isinstance(x, PackedLinear) and x.isa == parts.isa for x in linears):
             return None
+        assert isinstance(logits_head, PackedLinear)
         cos_table, sin_table = parts.rotary.typed_tables(parts.ln2.dtype)
         embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target[0].model.embed_tokens.weight
-        fc_args = [] if fc is None else packed_triplet(fc)  # type: ignore[arg-type]
-        widths_fc = [0 if fc is None else fc.out_features, logits_head.out_features]  # type: ignore[union-attr]
-        return (parts.kernel, embed, fc_args, packed_triplet(logits_head), widths_fc, eagle3,  # type: ignore[arg-type]
-                *parts.layer_args(), cos_table, sin_table)
+        return EagleChain(
+            kernel=parts.kernel,
+            embed=embed,
+            fc=[] if fc is None else packed_pair(fc),  # type: ignore[arg-type]
+            logits_head=packed_pair(logits_head),
+            out_features=[0 if fc is None else fc.out_features, logits_head.out_features],  # type: ignore[list-item]
+            eagle3=eagle3,
+            parts=parts,
+            cos_table=cos_table,
+            sin_table=sin_table,
+        )
 
     def draft_chain(
         self,
@@ -151,8 +160,26 @@ class _HeadBase(nn.Module):
         bitwise the drafts and KV writes of `forward` + `draft_token_ids` pass by pass."""
         chain = self.chain_form()
         assert chain is not None
-        kernel, *args, cos, sin = chain
-        return kernel.eagle_chain(ids, feed, start, q, block_table, block_size, passes, *args, cos, sin, kv_cache)
+        return chain.kernel.eagle_chain(ids, feed, start, q, block_table, block_size, passes, *chain.args(), kv_cache)
+
+
+class EagleChain(NamedTuple):
+    """An EAGLE head's arguments for ``ops.cpu.eagle_chain`` that do not change between steps."""
+
+    kernel: Any  # the compiled ops module
+    embed: torch.Tensor  # [V, H] the head's embedding table (the target's unless it has its own)
+    fc: list[torch.Tensor]  # EAGLE-1's fc (packed, bias); [] for EAGLE-3 (its fc runs before the chain)
+    logits_head: list[torch.Tensor]  # (packed, bias)
+    out_features: list[int]  # [fc's (0: none), the logits head's]
+    eagle3: list[torch.Tensor]  # EAGLE-3: [input_layernorm, hidden_norm, norm weights, d2t]; [] for EAGLE-1
+    parts: FusedParts  # the layer from its attention on
+    cos_table: torch.Tensor  # [P, D] rotary tables in the head's dtype
+    sin_table: torch.Tensor
+
+    def args(self) -> tuple:
+        """The arguments between the step's inputs and the KV cache, in the kernel's order."""
+        return (self.embed, self.fc, self.logits_head, self.out_features, self.eagle3, *self.parts.layer_args(),
+                self.cos_table, self.sin_table)
 
 
 def _more_layers(cfg: ModelConfig, rotary: RotaryEmbedding) -> list[nn.Module]:
@@ -191,7 +218,7 @@ class Eagle1Head(_HeadBase):
             return self.argmax(self.target[0].compute_logits(hidden, float32=False))
         return self.argmax(self.lm_head(hidden))
 
-    def _resolve_chain(self) -> tuple | None:
+    def _resolve_chain(self) -> EagleChain | None:
         fused = self.layers[0].fused_form()
         if fused is None or fused.ln1 is not None:  # the first layer has no input norm
             return None
@@ -260,7 +287,7 @@ class Eagle3Head(_HeadBase):
         draft_ids = self.argmax(self.lm_head(hidden))
         return draft_ids + self.d2t[draft_ids]
 
-    def _resolve_chain(self) -> tuple | None:
+    def _resolve_chain(self) -> EagleChain | None:
         layer = self.layers[0]
         norms = (layer.input_layernorm, layer.hidden_norm, self.norm)
         if any(n.kernel is None or n.eps != layer.post_attention_layernorm.eps for n in norms):

@@ -19,11 +19,12 @@ from torch import nn
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.attention.torch_paged import attention_kernel, paged_attention
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PAIR_MAX_ROWS, PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.moe import SparseMoE
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
+from phalanx.ops import cpu as cpu_ops
 
 
 class Attention(nn.Module):
@@ -125,16 +126,16 @@ class FusedParts(NamedTuple):
     kernel: Any  # the compiled ops module
     ln2: torch.Tensor  # the post-attention norm's weight
     eps: float
-    linears: list[torch.Tensor]  # [qkv, o, gate_up, down] x (packed, bias, pairs); an empty tensor: none
+    linears: list[torch.Tensor]  # [qkv, o, gate_up, down] x (packed, bias); an empty tensor: no bias
     widths: list[int]  # their out features
     heads: list[int]  # [num_heads, num_kv_heads, head_dim]
     scale: float
-    pair_rows: int  # pair_linear serves up to this many rows (PackedLinear's rule)
+    isa: int  # the linears' GEMM path (PackedLinear.isa: 2 / 1 the kernels' GEMM, 0 oneDNN)
     rotary: RotaryEmbedding
 
     def layer_args(self) -> tuple:
         """The arguments after the input norm, in the kernels' order."""
-        return self.ln2, self.eps, self.linears, self.widths, self.heads, self.scale, self.pair_rows
+        return self.ln2, self.eps, self.linears, self.widths, self.heads, self.scale, self.isa
 
 
 class FusedLayer(NamedTuple):
@@ -159,7 +160,7 @@ def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> FusedParts | N
     """The C++ layer's arguments from its attention on when every part runs on the kernels it chains
     — packed linears, fused norm, rotary and SiLU-and-multiply, no q/k norm, a dense MLP — else None."""
     linears = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    if not all(isinstance(x, PackedLinear) for x in linears):
+    if not all(isinstance(x, PackedLinear) for x in linears) or len({x.isa for x in linears}) != 1:  # type: ignore[union-attr]
         return None
     if not (ln2.kernel is not None and isinstance(mlp, GatedMLP) and mlp.kernel is not None
             and attn.rotary.kernel is not None and attn.q_norm is None and hasattr(mlp.kernel, "fused_layer")):
@@ -168,11 +169,11 @@ def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> FusedParts | N
         kernel=mlp.kernel,
         ln2=ln2.weight,
         eps=ln2.eps,
-        linears=[t for x in linears for t in packed_triplet(x)],  # type: ignore[arg-type]
+        linears=[t for x in linears for t in packed_pair(x)],  # type: ignore[arg-type]
         widths=[x.out_features for x in linears],  # type: ignore[union-attr]
         heads=[attn.num_heads, attn.num_kv_heads, attn.head_dim],
         scale=attn.scale,
-        pair_rows=PAIR_MAX_ROWS,
+        isa=attn.qkv_proj.isa,  # type: ignore[union-attr]
         rotary=attn.rotary,
     )
 
@@ -180,9 +181,31 @@ def fused_parts(attn: Attention, mlp: nn.Module, ln2: RMSNorm) -> FusedParts | N
 _NONE = torch.empty(0)  # "no tensor" in the kernels' tensor lists
 
 
-def packed_triplet(x: PackedLinear) -> list[torch.Tensor]:
-    """(oneDNN-packed weight, bias, pair_linear copy) as the C++ kernels take a linear."""
-    return [x.packed, _NONE if x.bias is None else x.bias, _NONE if x.pairs is None else x.pairs]
+def packed_pair(x: PackedLinear) -> list[torch.Tensor]:
+    """(packed weight, bias) as the C++ kernels take a linear."""
+    return [x.packed, _NONE if x.bias is None else x.bias]
+
+
+class ModelChain(NamedTuple):
+    """A dense draft model's arguments for ``ops.cpu.model_chain`` that do not change between steps."""
+
+    kernel: Any  # the compiled ops module
+    embed: torch.Tensor  # [V, H] the embedding table
+    layers: list[list[torch.Tensor]]  # per layer [input norm, post-attention norm, *FusedParts.linears]
+    widths: list[int]  # the layers' linears' out features (FusedParts.widths)
+    heads: list[int]  # [num_heads, num_kv_heads, head_dim]
+    scale: float
+    eps: float
+    isa: int  # the GEMM path of every linear and the head
+    norm: torch.Tensor  # the final norm's weight
+    logits_head: list[torch.Tensor]  # (packed, bias)
+    vocab: int
+    cos_table: torch.Tensor  # [P, D] rotary tables in the model's dtype
+    sin_table: torch.Tensor
+
+    def args(self) -> tuple:
+        """The arguments between the step's inputs and the KV caches, in the kernel's order."""
+        return tuple(self)[1:]
 
 
 class DecoderModel(nn.Module):
@@ -210,7 +233,7 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.tied_head: PackedLinear | None = None  # the embedding packed as the logits head (prepack)
-        self._chain: tuple | None | bool = False  # `chain_form` (False: not resolved yet)
+        self._chain: ModelChain | None | bool = False  # `chain_form` (False: not resolved yet)
 
     @property
     def num_layers(self) -> int:
@@ -245,27 +268,39 @@ class CausalLM(nn.Module):
         # in the order the head lists them (a repeated id repeats its layer)
         return normed, [captured[i] for i in aux_layer_ids]
 
-    def chain_form(self) -> tuple | None:
+    def chain_form(self) -> ModelChain | None:
         """The arguments of ``ops.cpu.model_chain`` (a draft model's drafting passes in one call)
         when every layer has the one-call form with an input norm, the final norm is fused and the
-        logits head packed; else None. Resolved once."""
+        logits head packed on the layers' GEMM path; else None. Resolved once."""
         if self._chain is False:
             self._chain = self._resolve_chain()
         return self._chain  # type: ignore[return-value]
 
-    def _resolve_chain(self) -> tuple | None:
+    def _resolve_chain(self) -> ModelChain | None:
         forms = [layer.fused_form() for layer in self.model.layers]
         head = self.lm_head if self.lm_head is not None else self.tied_head
         norm = self.model.norm
         if not forms or any(f is None or f.ln1 is None or f.parts.eps != norm.eps for f in forms):
             return None
-        if norm.kernel is None or not isinstance(head, PackedLinear):
-            return None
         p = forms[0].parts  # type: ignore[union-attr]
-        layers = [[f.ln1, f.parts.ln2, *f.parts.linears] for f in forms]  # type: ignore[union-attr]
+        if norm.kernel is None or not isinstance(head, PackedLinear) or head.isa != p.isa:
+            return None
         cos, sin = p.rotary.typed_tables(norm.weight.dtype)
-        return (p.kernel, self.model.embed_tokens.weight, layers, p.widths, p.heads, p.scale, p.eps, p.pair_rows,
-                norm.weight, packed_triplet(head), head.out_features, cos, sin)
+        return ModelChain(
+            kernel=p.kernel,
+            embed=self.model.embed_tokens.weight,
+            layers=[[f.ln1, f.parts.ln2, *f.parts.linears] for f in forms],  # type: ignore[union-attr]
+            widths=p.widths,
+            heads=p.heads,
+            scale=p.scale,
+            eps=p.eps,
+            isa=p.isa,
+            norm=norm.weight,
+            logits_head=packed_pair(head),
+            vocab=head.out_features,
+            cos_table=cos,
+            sin_table=sin,
+        )
 
     def draft_chain(
         self,
@@ -282,8 +317,7 @@ class CausalLM(nn.Module):
         request per pass — bitwise `forward` + `compute_logits` + argmax pass by pass."""
         chain = self.chain_form()
         assert chain is not None
-        kernel, *args = chain
-        return kernel.model_chain(ids, start, q, block_table, block_size, passes, *args, kv_caches)
+        return chain.kernel.model_chain(ids, start, q, block_table, block_size, passes, *chain.args(), kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:  # [N, H] -> [N, V]
         """float32 logits (sampling), or in the model's dtype with ``float32=False`` (an argmax
@@ -297,16 +331,18 @@ class CausalLM(nn.Module):
         return logits.float() if float32 else logits
 
     def prepack(self) -> None:
-        """bf16 on CPU: pack every linear, the experts and the logits head for oneDNN once, after
-        loading (``layers.linear``; bitwise the same results, faster). No-op otherwise."""
+        """bf16 on CPU: pack every linear, the experts and the logits head once, after loading, all
+        on one GEMM path (``layers.linear``; the kernels' batch-invariant GEMM by default). A tied
+        head packs a copy of the embedding (the lookup keeps the row-major table). No-op otherwise."""
         if not prepack_supported(self.config.dtype):
             return
-        prepack_linears(self)
+        isa = cpu_ops.gemm_isa()
+        prepack_linears(self, isa)
         for module in self.modules():
             if isinstance(module, SparseMoE):
-                module.prepack()
+                module.prepack(isa)
         if self.lm_head is None:
-            self.tied_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.tied_head = PackedLinear(self.model.embed_tokens.weight, None, isa)
 
     # ---- checkpoint names -> parameters ---------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

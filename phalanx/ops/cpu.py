@@ -8,7 +8,7 @@ bindings.cpp (the Python module).
 
 Owns: building / loading that module (`load`, `build`), the backend choice (``PHALANX_KERNELS``),
 `decode_attention` (the paged attention's decode group and prefill chunks), `argmax` (greedy tokens
-from the logits), `pair_linear_module` (whether bf16 linears use the C++ GEMM, used by
+from the logits), `gemm_isa` (which GEMM path bf16 linears take, ``PHALANX_CPU_ISA``; used by
 ``layers.linear.PackedLinear``) and `attach` (hands the module to the layers that use the
 elementwise ops: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply). The one-call layer
 (``models.llama.DecoderLayer``) and the drafting chains (``models.eagle``, ``models.llama.CausalLM``
@@ -89,7 +89,7 @@ SOURCES = ("attention.cpp", "cache.cpp", "norm.cpp", "elementwise.cpp", "argmax.
            "fused_layer.cpp", "chains.cpp", "bindings.cpp")
 FUNCTIONS = (
     "decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
-    "pack_pairs", "pair_linear", "pair_linear_supported", "fused_layer",
+    "pack_pairs", "gemm", "gemm_isas", "fused_layer",
     "eagle_chain", "model_chain",
 )
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")  # no FMA contraction: each op rounds as written
@@ -123,9 +123,10 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    """A short hash of every C++ source and header: a changed kernel gets its own build folder, so
-    processes running different checkouts never load (or rebuild under) each other's binary."""
-    digest = hashlib.sha1()
+    """A short hash of the sources' folder and of every C++ source and header in it: a changed kernel
+    gets its own build folder, and so does another checkout (torch's build file names the sources by
+    path: two checkouts sharing a folder would rebuild it in turn)."""
+    digest = hashlib.sha1(str(CSRC).encode())
     for path in sorted(CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:10]
@@ -239,36 +240,25 @@ def decode_attention(
     return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
 
 
-_pair_ok: bool | None = None  # pair_linear matches this CPU's oneDNN (None: not checked yet)
+# PHALANX_CPU_ISA names -> the GEMM's path ids (csrc/gemm.h), best first. "onednn" selects oneDNN's
+# packed linear (not batch-invariant) for every bf16 linear.
+GEMM_ISAS = {"avx512_bf16": 2, "avx2": 1}
+ISA_CHOICES = ("auto", *GEMM_ISAS, "onednn")
 
 
-def pair_linear_module() -> Any:
-    """The compiled module when bf16 linears of few rows should use its `pair_linear`: the backend
-    allows the kernels, the CPU has AVX512-BF16, and on this CPU the kernel reproduces oneDNN's
-    results to the bit (checked once per process: oneDNN picks its kernel by CPU, and one with
-    another summation order, e.g. AMX tiles, would make the two paths disagree). Else None."""
+def gemm_isa() -> int:
+    """The path every bf16 linear takes (``layers.linear.PackedLinear``): the kernels' batch-invariant
+    GEMM on AVX512-BF16 (2) or AVX2 + FMA (1), the best this build has at or below
+    ``PHALANX_CPU_ISA`` (auto: the best), or 0 — oneDNN's packed linear — when the kernels are off
+    or cannot build, the CPU has neither, or ``PHALANX_CPU_ISA=onednn``."""
+    cap = os.environ.get("PHALANX_CPU_ISA", "auto").strip().lower() or "auto"
+    if cap not in ISA_CHOICES:
+        raise ValueError(f"PHALANX_CPU_ISA={cap!r} is not valid; valid: {', '.join(ISA_CHOICES)}")
     module = kernel_for(torch.bfloat16)
-    if module is None or not module.pair_linear_supported():
-        return None
-    global _pair_ok
-    if _pair_ok is None:  # the module is one per process (`load`), so is the check
-        _pair_ok = _pair_linear_matches_onednn(module)
-        if not _pair_ok:
-            log.warning("phalanx: the few-row linear kernel does not reproduce this CPU's oneDNN results "
-                        "bit for bit; bf16 linears stay on oneDNN")
-    return module if _pair_ok else None
-
-
-def _pair_linear_matches_onednn(module: Any) -> bool:
-    """Shapes where an order difference would show: one row at long K (many roundings per output, the
-    512-blocking), several rows at K <= 512, odd sizes."""
-    g = torch.Generator().manual_seed(0)
-    for n, k, rows in ((1024, 1408, 1), (1024, 600, 1), (1000, 256, 4), (1024, 512, 3), (999, 97, 2)):
-        w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        if not torch.equal(module.pair_linear(x, module.pack_pairs(w), n), torch.nn.functional.linear(x, w)):
-            return False
-    return True
+    if cap == "onednn" or module is None:
+        return 0
+    allowed = [i for name, i in GEMM_ISAS.items() if cap == "auto" or i <= GEMM_ISAS[cap]]
+    return next((i for i in module.gemm_isas() if i in allowed), 0)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

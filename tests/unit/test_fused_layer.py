@@ -1,7 +1,9 @@
-"""The one-call decoder layer (``ops.cpu.fused_layer``) and the EAGLE drafting chain
-(``ops.cpu.eagle_chain``): each must give bitwise the module path's hidden states, KV writes and
-drafts, since the engine switches between them by batch shape (a request's tokens must not depend
-on whether its step ran fused)."""
+"""The one-call decoder layer (``ops.cpu.fused_layer``) and the drafting chains
+(``ops.cpu.eagle_chain`` / ``model_chain``): each must give bitwise the module path's hidden states,
+KV writes and drafts, since the engine switches between them by batch shape (a request's tokens
+must not depend on whether its step ran fused). They run on whatever GEMM path the linears took
+(``ops.cpu.gemm_isa``), so these tests hold on every CPU the kernels build on; the attention plan's
+grouping needs no kernel at all."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from phalanx.layers.linear import prepack_supported
 from phalanx.ops import cpu as cpu_ops
 from tests.tiny_models import make_eagle_head, make_model
 
-pytestmark = pytest.mark.skipif(
-    not prepack_supported(torch.bfloat16) or cpu_ops.pair_linear_module() is None,
-    reason="needs oneDNN and the C++ kernels with AVX512-BF16 matching this CPU's oneDNN",
+needs_kernels = pytest.mark.skipif(
+    not prepack_supported(torch.bfloat16) or cpu_ops.kernel_for(torch.bfloat16) is None,
+    reason="the one-call layer and the chains are C++ kernels: they need a C++ compiler (PHALANX_KERNELS not torch)",
 )
 
 BLOCK = 16
@@ -57,7 +59,7 @@ def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_p
         ([1, 1, 1], [20, 3, 47]),
         ([4], [9]),  # verifying 3 drafts
         ([3, 3], [17, 40]),
-        ([1] * 8, list(range(8, 64, 7))),  # past pair_linear's 4 rows: oneDNN inside the layer
+        ([1] * 8, list(range(8, 64, 7))),  # eight decodes: past the GEMM's 6-row register tile
         ([4] * 5, [30, 2, 60, 17, 9]),
         ([40], [0]),  # a lone prompt
         ([25], [16]),  # a lone later chunk of a prompt
@@ -67,6 +69,7 @@ def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_p
         ([1, 3, 40, 2, 17, 1], [33, 12, 0, 50, 16, 5]),  # 17 tokens: past the decode group's 16
     ],
 )
+@needs_kernels
 def test_fused_layer_is_bitwise_the_module_path(llm: LLM, q_lens: list[int], num_computed: list[int],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     model = llm.engine.runner.model
@@ -107,6 +110,7 @@ def test_fused_plan_groups_attention_as_the_module_path() -> None:
     assert padded.fused_plan() is None  # lockstep padding: the module path
 
 
+@needs_kernels
 def test_padded_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     model = llm.engine.runner.model
     kernel = model.model.layers[0].fused_form().parts.kernel
@@ -116,10 +120,11 @@ def test_padded_batch_takes_the_module_path(llm: LLM, monkeypatch: pytest.Monkey
     assert out.shape == (33, 128)
 
 
+@needs_kernels
 def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     layer = llm.engine.runner.model.model.layers[0]
     ln1, p = layer.fused_form()
-    kernel, ln2, eps, linears, widths, heads, scale, pair_rows, rotary = p
+    kernel, ln2, eps, linears, widths, heads, scale, isa, rotary = p
     x = torch.randn(3, 128).bfloat16()
     cos, sin = rotary.tables(torch.arange(3), torch.bfloat16, {})
     cache = _caches(llm, 3)[0]
@@ -127,23 +132,24 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     grid = (one, torch.full((1, 3), 3), None, None, None, [], [], [])
     args = (cos, sin, cache, torch.arange(3), *grid)
     with pytest.raises(RuntimeError, match="qkv width disagrees with the heads"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, [heads[0] + 1, *heads[1:]], scale, pair_rows, *args)
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, [heads[0] + 1, *heads[1:]], scale, isa, *args)
     with pytest.raises(RuntimeError, match="3 tokens are not whole requests of 2"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), one, torch.full((1, 2), 2), None, None, None, [], [], [])
     with pytest.raises(RuntimeError, match="linears are"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, pair_rows, *args)
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears[:-1], widths, heads, scale, isa, *args)
     with pytest.raises(RuntimeError, match=r"prefill chunk \[1, 5\) outside the batch's 3 tokens"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [1, 5], [one], [torch.full((1, 4), 4)])
     with pytest.raises(RuntimeError, match="the attention plan covers 2 of the batch's 3 tokens"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [0, 2], [one], [torch.full((1, 2), 2)])
     with pytest.raises(RuntimeError, match="each prefill chunk needs its start and end"):
-        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, pair_rows, cos, sin, cache,
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [0], [one], [torch.full((1, 3), 3)])
 
 
+@needs_kernels
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("num_seqs,prompt_len", [(1, 5), (3, 5), (2, 20), (6, None)])
 def test_drafting_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, prompt_len: int | None,

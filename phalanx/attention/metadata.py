@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +56,23 @@ class AttentionPlan(NamedTuple):
 
 
 @dataclass
+class ForwardMemo:
+    """What every layer of one forward shares, built by the first layer that needs it: one field per
+    thing, each keyed (where it needs a key) by the objects it was built for."""
+
+    fused_plan: AttentionPlan | None = None  # `AttentionMetadata.fused_plan`, once `fused_plan_built`
+    fused_plan_built: bool = False
+    # the reference decode group's [Bd, Qd, 1, L] mask (True = masked out)
+    dec_mask: torch.Tensor | None = None
+    # (dtype, device type) -> the C++ ops module serving this forward's attention, or None
+    attention_kernels: dict[tuple[torch.dtype, str], Any] = field(default_factory=dict)
+    # (rotary module, dtype) -> its cos / sin rows [T, 1, D] at this batch's positions
+    rotary_rows: dict[tuple[Any, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (block table, KV heads, cache blocks) -> the reference path's K / V gather index
+    gather_index: dict[tuple[torch.Tensor, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int  # real + padding
     positions: torch.Tensor  # [T] int64
@@ -72,17 +89,15 @@ class AttentionMetadata:
     # decode group's [R, Q] grid in order, so no gather or scatter is needed (dec_token_idx and
     # dec_valid stay None). 0 otherwise.
     uniform_decode_len: int = 0
-    # Per-forward memo shared by all layers (rotary cos/sin rows, keyed by the rotary module).
-    cache: dict = field(default_factory=dict)
+    memo: ForwardMemo = field(default_factory=ForwardMemo)  # shared by all layers of the forward
 
     def fused_plan(self) -> AttentionPlan | None:
         """The attention grouping for ``ops.cpu.fused_layer``, for every batch without lockstep
         padding (its pseudo-request has no cache: the module path); None otherwise. A uniform batch
         is one [R, Q] grid and a lone prompt chunk the [1, q] grid of its rows (no gather). Built once
         per forward."""
-        key = "fused_plan"
-        if key in self.cache:
-            return self.cache[key]
+        if self.memo.fused_plan_built:
+            return self.memo.fused_plan
         plan = None
         prefills = self.prefills or []
         if all(seq.block_ids is not None and seq.visible is not None for seq in prefills):
@@ -106,7 +121,7 @@ class AttentionMetadata:
                     [seq.block_ids for seq in prefills],  # type: ignore[misc]
                     [seq.visible for seq in prefills],  # type: ignore[misc]
                 )
-        self.cache[key] = plan
+        self.memo.fused_plan, self.memo.fused_plan_built = plan, True
         return plan
 
 

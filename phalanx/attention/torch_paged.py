@@ -74,8 +74,8 @@ def paged_attention(
         else:
             seq_len = seq.num_computed + (seq.end - seq.start)
             assert seq.block_ids is not None
-            kp = _gather(kv_cache[0], seq.block_ids, meta.cache)[:, 0, :seq_len].unsqueeze(0)  # [1, kvh, L, D]
-            vp = _gather(kv_cache[1], seq.block_ids, meta.cache)[:, 0, :seq_len].unsqueeze(0)
+            kp = _gather(kv_cache[0], seq.block_ids, meta.memo.gather_index)[:, 0, :seq_len].unsqueeze(0)  # [1, kvh, L, D]
+            vp = _gather(kv_cache[1], seq.block_ids, meta.memo.gather_index)[:, 0, :seq_len].unsqueeze(0)
             q_pos = torch.arange(seq.num_computed, seq_len)
             mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q, seq_len]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -90,30 +90,31 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     kernel = attention_kernel(q.dtype, meta, q.device.type)
     if kernel is not None:
         return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
-    mask = meta.cache.get("dec_mask")
+    mask = meta.memo.dec_mask
     if mask is None:  # [Bd, Qd, 1, L], True = masked out (a key after the query's position)
         key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))
-        mask = meta.cache["dec_mask"] = (key_pos[None, None, :] >= meta.dec_visible[:, :, None])[:, :, None, :]
-    return _decode_group_attention(q, kv_cache, meta.dec_block_table, mask, scale, meta.cache)
+        mask = meta.memo.dec_mask = (key_pos[None, None, :] >= meta.dec_visible[:, :, None])[:, :, None, :]
+    return _decode_group_attention(q, kv_cache, meta.dec_block_table, mask, scale, meta.memo.gather_index)
 
 
 def attention_kernel(dtype: torch.dtype, meta: AttentionMetadata, device: str = "cpu"):  # -> module or None
     """The C++ kernels when they serve this forward's attention (the backend allows them and the
     dtype is theirs), looked up once per forward (memoised on `meta`)."""
-    key = ("cpu_kernel", dtype, device)
-    if key not in meta.cache:
-        meta.cache[key] = cpu_ops.kernel_for(dtype) if device == "cpu" else None
-    return meta.cache[key]
+    kernels = meta.memo.attention_kernels
+    if (dtype, device) not in kernels:
+        kernels[dtype, device] = cpu_ops.kernel_for(dtype) if device == "cpu" else None
+    return kernels[dtype, device]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor,
+            memo: dict[tuple[torch.Tensor, int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """[kvh, num_blocks, B, d] gathered at block_ids (any shape [...]) -> [kvh, ..., * B, d] flattened
     over the last block dimension, contiguous. One index_select over dim 0 of the 2-D [kvh *
     num_blocks, B * d] view: one block per row (~2.7x faster than selecting along dim 1 of the 4-D
     cache, ~2x faster than over dim 0 of a 3-D view, and ~10x faster than advanced indexing); the
     index is the same for every layer of a forward, so it is memoised in `memo`."""
     kvh, num_blocks, block_size, d = cache.shape
-    key = ("kv_gather", id(block_ids), kvh, num_blocks)
+    key = (block_ids, kvh, num_blocks)  # a tensor key is its identity: this forward's table
     index = memo.get(key) if memo is not None else None
     if index is None:
         index = (torch.arange(kvh)[:, None] * num_blocks + block_ids.reshape(1, -1)).reshape(-1)
@@ -129,7 +130,7 @@ def _decode_group_attention(
     block_table: torch.Tensor,  # [Bd, NB]
     masked: torch.Tensor,  # [Bd, Qd, 1, NB * block_size] bool, True = masked out
     scale: float,
-    memo: dict,
+    memo: dict[tuple[torch.Tensor, int, int], torch.Tensor],  # ForwardMemo.gather_index
 ) -> torch.Tensor:  # [Bd, Qd, H, D]
     """Attention for short queries as grouped matmuls: the query heads sharing a KV head are one
     batch row, so K/V are never repeated; scores and softmax in float32. (On CPU this is several

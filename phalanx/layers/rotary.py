@@ -58,8 +58,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin rows [T, 1, head_dim] for this batch, computed once per forward (all layers
-        share them; `cache` lives on the batch's attention metadata)."""
-        key = (id(self), dtype)
+        share them; `cache` is the batch's ``ForwardMemo.rotary_rows``)."""
+        key = (self, dtype)
         if key not in cache:
             cos, sin = self.typed_tables(dtype)
             cache[key] = (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))

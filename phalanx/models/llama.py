@@ -53,11 +53,11 @@ class Attention(nn.Module):
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary(meta.positions, q, k, meta.cache)
+            q, k = self.rotary(meta.positions, q, k, meta.memo.rotary_rows)
         else:
             # Queries and keys are adjacent in the fused projection: rotate them in one pass.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = self.rotary.rotate(meta.positions, qk, meta.cache)
+            qk = self.rotary.rotate(meta.positions, qk, meta.memo.rotary_rows)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
             fused = self.fused_form()
             if fused is not None and attention_kernel(delta.dtype, meta) is not None:
                 p = fused.parts
-                cos, sin = p.rotary.tables(meta.positions, delta.dtype, meta.cache)
+                cos, sin = p.rotary.tables(meta.positions, delta.dtype, meta.memo.rotary_rows)
                 return p.kernel.fused_layer(delta, residual, fused.ln1, *p.layer_args(), cos, sin, kv_cache,
                                             meta.slot_mapping, *plan)
         if residual is None:

@@ -28,6 +28,7 @@ from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
+    Feed,
     ProposeBatch,
     chain_grid,
     chain_rest,
@@ -95,7 +96,7 @@ class DraftModelProposer:
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        feeds: list[tuple[int, list[int], int]] = []
+        feeds: list[Feed] = []
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
             tokens = batch.token_ids[i]
@@ -107,7 +108,7 @@ class DraftModelProposer:
             upto = min(upto, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
             if upto > start:
-                feeds.append((i, tokens[start:upto], start))
+                feeds.append(Feed(i, tokens[start:upto], start))
                 self._computed[req_id] = upto
                 if drafts_now:
                     drafting.append(len(feeds) - 1)
@@ -123,7 +124,7 @@ class DraftModelProposer:
         p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
             hidden = self._run(p)
-        rows = [feeds[f][0] for f in drafting]
+        rows = [feeds[f].row for f in drafting]
         n = len(rows)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
         tokens = self._greedy(hidden[pick]) if n else pick  # [n] draft 1 (pick is empty when n == 0)

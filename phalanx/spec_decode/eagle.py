@@ -24,6 +24,7 @@ from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
     DrafterPass,
+    Feed,
     ProposeBatch,
     chain_grid,
     chain_rest,
@@ -83,7 +84,7 @@ class EagleProposer:
         assert batch.target_hidden is not None
         k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        feeds: list[tuple[int, list[int], int]] = []
+        feeds: list[Feed] = []
         hidden_rows: list[int] = []
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i in range(len(batch.req_ids)):
@@ -91,7 +92,7 @@ class EagleProposer:
             if nv == 0 or nc + nv + k > self.room:
                 continue
             # position t consumes token t + 1: positions [nc, nc + nv) <- tokens [nc + 1, nc + nv + 1)
-            feeds.append((i, batch.token_ids[i][nc + 1 : nc + nv + 1], nc))
+            feeds.append(Feed(i, batch.token_ids[i][nc + 1 : nc + nv + 1], nc))
             off = batch.token_offsets[i]
             hidden_rows.extend(range(off, off + nv))
             if batch.sampled[i]:
@@ -115,11 +116,11 @@ class EagleProposer:
         with batch.pass_context(1):
             for_logits, feed = self._run(p, features)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)
-        rows = [feeds[f][0] for f in drafting]
+        rows = [feeds[f].row for f in drafting]
         n = len(rows)
         feed = feed[pick]  # [n, H]
         tokens = self.head.draft_token_ids(for_logits[pick]) if n else pick  # [n] draft 1
-        positions = torch.tensor([feeds[f][2] + len(feeds[f][1]) for f in drafting], dtype=torch.int64)
+        positions = torch.tensor([feeds[f].start + len(feeds[f].token_ids) for f in drafting], dtype=torch.int64)
 
         # Passes 2..: (draft j-1, the head's own hidden state) at the next position; drafts token j.
         if chains and n and passes > 1:  # all of them in one C++ call

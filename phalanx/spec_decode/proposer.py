@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -95,6 +95,14 @@ def build_proposer(
     return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
 
 
+class Feed(NamedTuple):
+    """One request's input to a drafter's first pass: its tokens at consecutive positions."""
+
+    row: int  # the request's row in the ProposeBatch
+    token_ids: list[int]  # the tokens fed, one per position
+    start: int  # the position of the first one
+
+
 @dataclass
 class DrafterPass:
     """The flat input of one drafter forward: real feeds, then padding up to the agreed size."""
@@ -106,19 +114,19 @@ class DrafterPass:
 
 
 def drafter_pass(
-    feeds: list[tuple[int, list[int], int]],  # (batch row, input token ids, first position)
+    feeds: list[Feed],
     block_table: torch.Tensor,  # [R, max_blocks]
     block_size: int,
     pad_to: int | None,
 ) -> DrafterPass:
-    q_lens = [len(f[1]) for f in feeds]
+    q_lens = [len(f.token_ids) for f in feeds]
     num_real = sum(q_lens)
     num_pad = 0 if pad_to is None else pad_to - num_real
     if num_pad < 0:
         raise RuntimeError(f"drafter pass has {num_real} tokens, more than the agreed {pad_to}")
-    table = block_table.numpy()[[f[0] for f in feeds]]
-    meta = build_attention_metadata(q_lens, [f[2] for f in feeds], table, block_size, num_pad)
-    ids = [t for f in feeds for t in f[1]] + [0] * num_pad
+    table = block_table.numpy()[[f.row for f in feeds]]
+    meta = build_attention_metadata(q_lens, [f.start for f in feeds], table, block_size, num_pad)
+    ids = [t for f in feeds for t in f.token_ids] + [0] * num_pad
     last_rows = list(itertools.accumulate(q_lens, initial=-1))[1:]
     return DrafterPass(torch.tensor(ids, dtype=torch.int64), meta, last_rows, num_pad)
 
@@ -171,23 +179,23 @@ def draft_rest(
     return drafts
 
 
-def uniform_grid(feeds: list[tuple[int, list[int], int]], drafting: list[int]) -> int:
+def uniform_grid(feeds: list[Feed], drafting: list[int]) -> int:
     """q when every fed request drafts and feeds the same q positions (pass 1 is one [R, q] grid,
     so a drafting chain can run all passes in one call); 0 otherwise."""
-    q = len(feeds[0][1]) if feeds else 0
-    return q if len(drafting) == len(feeds) > 0 and all(len(f[1]) == q for f in feeds) else 0
+    q = len(feeds[0].token_ids) if feeds else 0
+    return q if len(drafting) == len(feeds) > 0 and all(len(f.token_ids) == q for f in feeds) else 0
 
 
 def chain_grid(
     batch: ProposeBatch,
-    feeds: list[tuple[int, list[int], int]],
+    feeds: list[Feed],
     drafts: list[list[int]],
     chain: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],  # (ids, start, table) -> [R, k]
 ) -> list[list[int]]:
     """All passes of a uniform grid (`uniform_grid`) through a drafting chain; appends the drafts."""
-    rows = [f[0] for f in feeds]
-    ids = torch.tensor([t for f in feeds for t in f[1]], dtype=torch.int64)
-    start = torch.tensor([f[2] for f in feeds], dtype=torch.int64)
+    rows = [f.row for f in feeds]
+    ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.int64)
+    start = torch.tensor([f.start for f in feeds], dtype=torch.int64)
     out = chain(ids, start, batch.block_table[torch.tensor(rows, dtype=torch.int64)])
     for row, toks in zip(rows, out.tolist()):
         drafts[row].extend(toks)

@@ -117,3 +117,23 @@ def test_prefill_through_the_kernel_is_query_count_invariant(monkeypatch) -> Non
     assert torch.equal(run([36, 1, 1, 1, 1]), whole)
     ref = _reference(q.float(), k.float(), v.float(), 0, d**-0.5)
     torch.testing.assert_close(whole.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_every_layer_shares_the_forwards_memo(monkeypatch) -> None:
+    """What one forward's layers share is built once, by the first layer (``ForwardMemo``): the
+    reference path's mask and K/V gather index, the kernel choice, the fused layer's plan."""
+    monkeypatch.setenv("PHALANX_KERNELS", "torch")
+    gen = torch.Generator().manual_seed(1)
+    meta = build_attention_metadata(torch.tensor([1, 3, 20]), torch.tensor([9, 4, 2]),
+                                    torch.arange(1, 19).view(3, 6), BS)
+    q = torch.randn(24, H, D, generator=gen)
+    k, v = torch.randn(24, KVH, D, generator=gen), torch.randn(24, KVH, D, generator=gen)
+    kv = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, KVH, D))
+    first = paged_attention(q, k, v, kv, meta, 0.3)
+    mask, index = meta.memo.dec_mask, dict(meta.memo.gather_index)
+    assert mask is not None and len(index) == 2  # the decode group's table and the chunk's (over cached keys)
+    assert meta.memo.attention_kernels == {(torch.float32, "cpu"): None}
+    assert torch.equal(paged_attention(q, k, v, kv, meta, 0.3), first)  # a second layer: nothing rebuilt
+    assert meta.memo.dec_mask is mask and all(meta.memo.gather_index[key] is t for key, t in index.items())
+    plan = meta.fused_plan()
+    assert meta.memo.fused_plan_built and meta.fused_plan() is plan

@@ -1,0 +1,229 @@
+"""bf16 batch invariance and its cost, on this CPU: the batch-invariant GEMM (csrc/gemm.cpp, on the
+path ``PHALANX_CPU_ISA`` selects) against oneDNN's packed linear, side by side in one process.
+
+    python benchmarks/invariance.py MODEL [MODEL ...] [--threads 2] [--paths auto,onednn]
+                                    [--sections invariance,kernels,e2e] [--repeats 3]
+
+Invariance (one table per path): the LLM's 16 prompts, 48 greedy tokens each; each of the first 8
+requests run alone against the same request (a) in the batch of 16, (b) in that batch with n-gram
+speculation k = 3, (c) in that batch with the model drafting for itself (k = 3: it must accept every
+draft). A cell counts the requests whose tokens are identical to the lone run.
+
+Kernel cost: microseconds per call of every linear shape of each model at 1-2048 rows (oneDNN's
+packed linear vs the GEMM), the fastest of 25 calls, and their sum per row count; 1 thread and
+--threads.
+
+End-to-end cost (offline LLM, the two paths loaded side by side, repeats interleaved, medians):
+prefill tokens/s (16 prompts of 256 tokens, one output token each), decode tokens/s at concurrency 1
+(one request, 128 tokens after its first) and 16 (16 requests, 64 tokens after their first); decode
+time is a run's time minus the time of the same requests with one output token.
+
+Paths: auto (the best GEMM path this CPU has), avx512_bf16, avx2, onednn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short story about a lighthouse keeper who",
+    "Explain how a refrigerator keeps food cold.",
+    "List five facts about the planet Mars:",
+    "In a small village by the sea, there lived",
+    "The recipe for a simple tomato soup is",
+    "Describe the water cycle in a few sentences.",
+    "Once upon a time, a clever fox",
+    "The three most important inventions of the twentieth century are",
+    "How do bees make honey?",
+    "A letter to a friend about a summer trip:",
+    "The rules of chess say that a knight",
+    "Why is the sky blue? Because",
+    "Here is a poem about autumn leaves:",
+    "The capital cities of Europe include",
+    "To learn a new language quickly, you should",
+]
+
+
+def _llm(model: str, path: str, **kwargs: Any):  # noqa: ANN202
+    """An LLM whose bf16 linears all take GEMM `path` (chosen when the model is packed at load)."""
+    from phalanx import LLM
+
+    os.environ["PHALANX_CPU_ISA"] = path
+    try:
+        return LLM(model, dtype="bfloat16", max_model_len=1024, **kwargs)
+    finally:
+        os.environ.pop("PHALANX_CPU_ISA", None)
+
+
+def path_name(path: str) -> str:
+    from phalanx.ops import cpu
+
+    os.environ["PHALANX_CPU_ISA"] = path
+    try:
+        isa = cpu.gemm_isa()
+    finally:
+        os.environ.pop("PHALANX_CPU_ISA", None)
+    return {2: "GEMM avx512_bf16", 1: "GEMM avx2", 0: "oneDNN"}[isa]
+
+
+# ---- invariance -------------------------------------------------------------------------------------
+def invariance(model: str, path: str) -> dict[str, tuple[int, int]]:
+    from phalanx import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = PROMPTS
+    llm = _llm(model, path, enable_prefix_caching=False)
+    lone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:8]]
+    cases = {"batch of 16": llm}
+    cases["n-gram k=3"] = _llm(model, path, enable_prefix_caching=False, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    cases["self-draft k=3"] = _llm(model, path, enable_prefix_caching=False, speculative_config={
+        "method": "draft_model", "model": model, "num_speculative_tokens": 3})
+    out = {}
+    for name, engine in cases.items():
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)[:8]]
+        out[name] = (sum(a == b for a, b in zip(got, lone)), len(lone))
+    return out
+
+
+# ---- kernel cost ------------------------------------------------------------------------------------
+def model_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(name, out_features, in_features) of every distinct linear of the model and its logits head."""
+    from phalanx.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(model, "bfloat16")
+    h, hd = cfg.hidden_size, cfg.head_dim
+    return [("qkv", (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h), ("o", h, cfg.num_heads * hd),
+            ("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),
+            ("lm_head", cfg.vocab_size, h)]
+
+
+def _time_us(fn, calls: int = 25) -> float:  # noqa: ANN001
+    """The fastest of `calls` calls: on a shared machine a slower call measures the neighbours."""
+    fn()
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e6
+
+
+def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
+    from phalanx.ops import cpu
+
+    module = cpu.load(required=True)
+    totals: dict[int, list[float]] = {}
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, us per call (oneDNN / GEMM = ratio)\n")
+    print("| layer (N x K) | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+    print("|---|" + "---|" * len(rows_list))
+    for name, n, k in model_shapes(model):
+        g = torch.Generator().manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        onednn, pairs = torch.ops.mkldnn._reorder_linear_weight(w), module.pack_pairs(w)
+        cells = []
+        for rows in rows_list:
+            if name == "lm_head" and rows > 64:  # logits are computed for sampled rows only
+                cells.append("-")
+                continue
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            a = _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))  # noqa: B023
+            b = _time_us(lambda: module.gemm(x, pairs, n, None, isa))  # noqa: B023
+            totals.setdefault(rows, [0.0, 0.0])
+            totals[rows][0] += a
+            totals[rows][1] += b
+            cells.append(f"{a:.0f} / {b:.0f} = {b / a:.2f}")
+        print(f"| {name} ({n} x {k}) | " + " | ".join(cells) + " |")
+    print("| all of the above | " + " | ".join(
+        f"{a:.0f} / {b:.0f} = {b / a:.2f}" for a, b in (totals[r] for r in rows_list)) + " |")
+
+
+# ---- end-to-end cost --------------------------------------------------------------------------------
+def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: ANN001
+    from phalanx import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def e2e_costs(model: str, paths: list[str], repeats: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    engines = {p: _llm(model, p, enable_prefix_caching=False) for p in paths}
+    vocab = next(iter(engines.values())).engine.runner.model.config.vocab_size
+    long = [torch.randint(3, vocab, (256,), generator=g).tolist() for _ in range(16)]
+    short = [torch.randint(3, vocab, (16,), generator=g).tolist() for _ in range(16)]
+    results: dict[str, dict[str, list[float]]] = {p: {"prefill": [], "c1": [], "c16": []} for p in paths}
+    for _ in range(repeats):
+        for p, llm in engines.items():  # interleaved: both paths see the same machine load
+            _run(llm, short[:1], 2)  # warm-up
+            results[p]["prefill"].append(16 * 256 / _run(llm, long, 1))
+            results[p]["c1"].append(128 / max(_run(llm, short[:1], 129) - _run(llm, short[:1], 1), 1e-9))
+            results[p]["c16"].append(16 * 64 / max(_run(llm, short, 65) - _run(llm, short, 1), 1e-9))
+    base = paths[-1]
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, medians of {repeats} "
+          f"(ratio: against {path_name(base)})\n")
+    print("| GEMM | prefill tok/s | decode c=1 tok/s | decode c=16 tok/s |")
+    print("|---|---|---|---|")
+    for p in paths:
+        cells = []
+        for key in ("prefill", "c1", "c16"):
+            v, ref = statistics.median(results[p][key]), statistics.median(results[base][key])
+            cells.append(f"{v:.0f} ({v / ref:.2f}x)")
+        print(f"| {path_name(p)} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default="auto,onednn")
+    ap.add_argument("--sections", default="invariance,kernels,e2e")
+    ap.add_argument("--rows", default="1,4,16,64,128,512,2048")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    paths, sections = args.paths.split(","), args.sections.split(",")
+    from phalanx.ops import cpu
+
+    flags = open("/proc/cpuinfo").read()
+    isas = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in flags]
+    print(f"CPU: {' '.join(isas)}; kernels: {cpu.backend()}; paths: {', '.join(path_name(p) for p in paths)}")
+    if "invariance" in sections:
+        for p in paths:
+            print(f"\nInvariance, {path_name(p)}: requests identical to the lone run (greedy, 48 tokens)\n")
+            print("| model | batch of 16 | n-gram k=3 | self-draft k=3 | all |")
+            print("|---|---|---|---|---|")
+            for model in args.models:
+                res = invariance(model, p)
+                same, total = sum(a for a, _ in res.values()), sum(b for _, b in res.values())
+                print(f"| {Path(model).name} | " + " | ".join(f"{a}/{b}" for a, b in res.values())
+                      + f" | {same}/{total} |", flush=True)
+    if "kernels" in sections:
+        gemm_paths = [p for p in paths if path_name(p) != "oneDNN"]
+        if gemm_paths:
+            os.environ["PHALANX_CPU_ISA"] = gemm_paths[0]
+            isa = cpu.gemm_isa()
+            os.environ.pop("PHALANX_CPU_ISA")
+            for threads in sorted({1, args.threads}):
+                torch.set_num_threads(threads)
+                for model in args.models:
+                    kernel_costs(model, isa, [int(r) for r in args.rows.split(",")])
+            torch.set_num_threads(args.threads)
+    if "e2e" in sections:
+        for model in args.models:
+            e2e_costs(model, paths, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

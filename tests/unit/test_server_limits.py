@@ -174,6 +174,10 @@ def test_tokenization_and_chat_templates_run_off_the_event_loop(monkeypatch: pyt
 
     async def check(http: Any, engine: Any) -> None:
         loop_thread = threading.current_thread().name
+        # Sampling fields are checked before any prompt work: a bad one costs no tokenization.
+        assert (await http.post(CHAT, json={"messages": MSGS, "temperature": -1})).status_code == 400
+        assert (await http.post(COMPLETIONS, json={"prompt": "hello", "logit_bias": {"5": 500}})).status_code == 400
+        assert threads == []
         assert (await http.post(CHAT, json={"messages": MSGS, "max_tokens": 2})).status_code == 200
         assert (await http.post(COMPLETIONS, json={"prompt": "hello", "max_tokens": 2})).status_code == 200
         assert (await http.post("/tokenize", json={"prompt": "hello"})).status_code == 200

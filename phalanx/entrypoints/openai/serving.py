@@ -76,13 +76,15 @@ class OpenAIServing:
             req.chat_template_kwargs,
         )
 
-    def _params(
-        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[Prompt]
-    ) -> SamplingParams:
-        """Validate the sampling fields, token ids and every prompt's length; ValueError -> 400."""
-        requested = req.requested_max_tokens()
-        params = req.sampling_params(requested)
+    def _params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """Validate the sampling fields and their token ids (before any prompt work); ValueError -> 400."""
+        params = req.sampling_params(req.requested_max_tokens())
         params.check_token_ids(self.engine.vocab_size)
+        return params
+
+    def _check_prompts(self, req: ChatCompletionRequest | CompletionRequest, prompts: list[Prompt]) -> None:
+        """Every prompt's tokens: in the vocabulary, and room for the completion; ValueError -> 400."""
+        requested = req.requested_max_tokens()
         limit = self.engine.max_model_len
         for p in prompts:
             self.engine.validate_prompt(p.token_ids)
@@ -92,12 +94,12 @@ class OpenAIServing:
                     f"were requested ({len(p.token_ids)} in the prompt, {requested} in the completion); reduce "
                     "the prompt or max_tokens"
                 )
-        return params
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        params = self._params(req)
         prompt = await self.chat_prompt(req)
-        params = self._params(req, [prompt])
+        self._check_prompts(req, [prompt])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = self.engine.generate(request_id, prompt.text, prompt.token_ids, params)
@@ -244,8 +246,9 @@ class OpenAIServing:
 
     # ---- completions ------------------------------------------------------------------------
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        params = self._params(req)
         prompts = [await self.prompts.encode(p) for p in req.prompts()]
-        params = self._params(req, prompts)
+        self._check_prompts(req, prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [

@@ -48,15 +48,24 @@ def _config(arch: str, **overrides: Any):  # noqa: ANN202
     return cfg_cls(**kw)
 
 
-def make_model(arch: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+def make_model(arch: str, folder: Path, seed: int = 0, random_norms_and_biases: bool = False,
+               **overrides: Any) -> Path:
+    """`random_norms_and_biases`: norm weights 1 + N(0, 0.1^2) and biases N(0, 0.1^2) instead of
+    transformers' init (ones and zeros), so a loader or layer that drops them fails parity."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = _config(arch, **overrides)
     model = getattr(transformers, arch)(cfg).eval()
-    # Random init with std 0.02 gives near-flat logits; scale the head up so argmaxes are decisive
-    # and fp32 parity is not a coin flip on near-ties.
     with torch.no_grad():
+        if random_norms_and_biases:
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.1)
+                elif "norm" in name.rsplit(".", 2)[-2]:  # input_layernorm, q_norm, model.norm, ...
+                    param.normal_(1.0, 0.1)
+        # Random init with std 0.02 gives near-flat logits; scale the head up so argmaxes are decisive
+        # and fp32 parity is not a coin flip on near-ties.
         head = model.get_output_embeddings()
         head.weight.mul_(8.0)
     model.save_pretrained(str(folder))

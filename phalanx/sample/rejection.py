@@ -18,6 +18,7 @@ and draw from seeded requests' generators.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 from phalanx.ops import cpu as cpu_ops
 from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.sampler import (
+    _MIN_EXPONENTIAL,
     LogprobsTensors,
     Sampler,
     apply_penalties_and_bans,
@@ -102,8 +104,13 @@ def rejection_sample(
 
     Request i owns target rows ``[row_start_i, row_start_i + len(drafts_i)]``: row j holds the target
     logits after the context extended by ``drafts_i[:j]``; the last row yields the bonus token.
-    Draws: a seeded request uses its own generator, ``len(drafts_i)`` uniforms then V exponentials,
-    so its output is independent of the rest of the batch. With no drafts this is exactly
+    Draws: a seeded random request with one-hot drafts samples the target position by position from
+    its own generator, V exponentials per position exactly as plain decoding draws them, accepting a
+    draft while the sample equals it and emitting the first sample that differs (or the bonus):
+    P(accept) = p(x) = min(1, p / q) for one-hot q, and a rejected position's sample is distributed as
+    normalise(p - q)+, so this is the same lossless rule, and the request's tokens are those plain
+    decoding samples with the same seed (`_sample_seeded_in_order`). Other random rows draw
+    ``len(drafts_i)`` uniforms, then V exponentials. With no drafts this is exactly
     ``Sampler.__call__`` (same draws, same token).
     """
     num_rows = [len(d) + 1 for d in draft_token_ids]
@@ -126,7 +133,13 @@ def rejection_sample(
     if not meta.all_greedy:
         probs = torch.softmax(apply_temperature_and_truncation(penalised, expanded), dim=-1)
 
+    seeded: dict[int, tuple[int, int]] = {}  # row -> (accepted drafts, final token)
+    if probs is not None and draft_probs is None and meta.generators:
+        seeded = _sample_seeded_in_order(layout, probs, draft_token_ids, meta, sampler)
+        meta = dataclasses.replace(meta, generators={r: g for r, g in meta.generators.items() if r not in seeded})
     accepted = _accept_mask(layout, target_argmax, probs, draft_probs, meta, sampler)  # [B, K]
+    for row, (n, _) in seeded.items():
+        accepted[row] = layout.valid[row] & (torch.arange(accepted.shape[1], device=accepted.device) < n)
     # Accepted prefix length = index of the first rejection: [T, T, F, T] -> cumprod [1, 1, 0, 0] -> 2.
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
     final_rows = layout.row_start + num_accepted  # [B] row of the recovered / bonus token
@@ -138,6 +151,8 @@ def rejection_sample(
         final_tokens = (
             random_final if meta.all_random else torch.where(meta.is_greedy, final_tokens, random_final)
         )
+        for row, (_, token) in seeded.items():
+            final_tokens[row] = token
 
     accepted_list = num_accepted.tolist()
     outputs = [d[:n] + [t] for d, n, t in zip(draft_token_ids, accepted_list, final_tokens.tolist())]
@@ -147,6 +162,34 @@ def rejection_sample(
             layout, target_logits, num_accepted, final_rows, final_tokens, meta.max_num_logprobs
         )
     return RejectionOutput(output_token_ids=outputs, num_accepted=accepted_list, logprobs=logprobs)
+
+
+def _sample_seeded_in_order(
+    layout: _DraftLayout,
+    probs: torch.Tensor,  # [T, V] processed target distributions
+    draft_token_ids: list[list[int]],
+    meta: SamplingMetadata,
+    sampler: Sampler,
+) -> dict[int, tuple[int, int]]:  # row -> (accepted drafts, final token)
+    """Seeded random rows with one-hot drafts: sample position j of the target with the request's
+    generator as plain decoding would (``sample_from_probs``: V exponentials), accept draft j while
+    the sample equals it, stop at the first sample that differs or at the bonus position. Only the
+    request's generator draws (the engine's is left as plain decoding leaves it)."""
+    out = {}
+    starts = layout.row_start.tolist()
+    greedy = meta.is_greedy.tolist()
+    for row, gen in meta.generators.items():
+        if greedy[row]:
+            continue
+        drafts = draft_token_ids[row]
+        for j in range(len(drafts) + 1):
+            p = probs[starts[row] + j]  # [V]
+            q = torch.empty_like(p).exponential_(generator=gen)  # the V draws plain decoding makes
+            token = int((p / q.clamp_min_(_MIN_EXPONENTIAL)).argmax())
+            if j == len(drafts) or token != drafts[j]:
+                out[row] = (j, token)
+                break
+    return out
 
 
 def _accept_mask(

@@ -49,13 +49,14 @@ constexpr int64_t kChunkRows = 96;  // rows per work item: their x stays in cach
 constexpr int64_t kItemBlocks = 4;  // column blocks (of 16) per work item
 constexpr unsigned kDazFtz = 0x8040;  // MXCSR: denormals are zero (bit 6), flush to zero (bit 15)
 
-// The pair (x[m, 2p], x[m, 2p + 1]) as one 32-bit word (low half: the even element); past an odd
-// K's end, (x[m, K - 1], 0).
-inline uint32_t x_pair(const uint16_t* row, int64_t p, int64_t full_pairs) {
-  uint32_t pair = row[2 * p];
-  if (p < full_pairs) std::memcpy(&pair, row + 2 * p, 4);
+// The pair (x[m, 2p], x[m, 2p + 1]) of a row as one 32-bit word (low half: the even element), and an
+// odd K's last pair (x[m, K - 1], 0).
+inline uint32_t full_pair(const uint16_t* row, int64_t p) {
+  uint32_t pair;
+  std::memcpy(&pair, row + 2 * p, 4);
   return pair;
 }
+inline uint32_t half_pair(const uint16_t* row, int64_t p) { return row[2 * p]; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kHasAvx512Bf16 = true;
@@ -69,14 +70,16 @@ inline void tile_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K
     for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
   const uint16_t* wb = w + nb * KP * 32;
   const int64_t full = K / 2;
-  for (int64_t p = 0; p < KP; ++p) {
+  auto step = [&](int64_t p, auto pair_of) {  // pair p of every row against the NR blocks
     __m512bh wv[NR];
     for (int t = 0; t < NR; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(wb + (t * KP + p) * 32);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pair(x + m * K, p, full)));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_of(x + m * K, p)));
       for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
     }
-  }
+  };
+  for (int64_t p = 0; p < full; ++p) step(p, full_pair);
+  if (full < KP) step(full, half_pair);
   for (int t = 0; t < NR; ++t) {
     const int64_t n0 = (nb + t) * 16, cnt = std::min<int64_t>(16, N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1);
@@ -156,7 +159,7 @@ inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K
   const uint16_t* wb = w + nb * KP * 32;
   const int64_t full = K / 2;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = 0; p < KP; ++p) {
+  auto step = [&](int64_t p, auto pair_of) {
     __m256 even[2], odd[2];
     for (int h = 0; h < 2; ++h) {  // 8 columns x (even, odd) as 32-bit words (odd << 16 | even)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
@@ -164,7 +167,7 @@ inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K
       odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
     }
     for (int m = 0; m < MR; ++m) {
-      const uint32_t pair = x_pair(x + m * K, p, full);
+      const uint32_t pair = pair_of(x + m * K, p);
       const uint32_t hi = pair & 0xFFFF0000u, lo = pair << 16;
       float xo, xe;
       std::memcpy(&xo, &hi, 4);
@@ -172,7 +175,9 @@ inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K
       const __m256 vo = _mm256_set1_ps(xo), ve = _mm256_set1_ps(xe);
       for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(ve, even[h], _mm256_fmadd_ps(vo, odd[h], acc[m][h]));
     }
-  }
+  };
+  for (int64_t p = 0; p < full; ++p) step(p, full_pair);
+  if (full < KP) step(full, half_pair);
   const int64_t n0 = nb * 16, cnt = std::min<int64_t>(16, N - n0);
   for (int m = 0; m < MR; ++m) {
     alignas(32) uint16_t out[16];
@@ -228,9 +233,12 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
   std::vector<float> bias_f;  // float32, zero-padded to whole blocks
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "gemm: bias must be [", N, "]");
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    bias_f.assign(NB * 16, 0.f);
-    std::memcpy(bias_f.data(), b.data_ptr<float>(), N * sizeof(float));
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat,
+                "gemm: bias must be bfloat16 or float32");
+    const at::Tensor b = bias->contiguous();
+    bias_f.assign(NB * 16, 0.f);  // converted here: a dispatched .to() costs more than a small layer
+    if (b.scalar_type() == at::kFloat) std::memcpy(bias_f.data(), b.data_ptr<float>(), N * sizeof(float));
+    else for (int64_t n = 0; n < N; ++n) bias_f[n] = bits_to_float(u16(b)[n]);
   }
   auto out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;

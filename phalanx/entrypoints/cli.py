@@ -1,5 +1,5 @@
-"""The `phalanx` command: `phalanx serve [MODEL] [flags]`, `phalanx download MODEL` and
-`phalanx bench ...` (``phalanx.bench``).
+"""The `phalanx` command: `phalanx serve [MODEL] [flags]`, `phalanx download MODEL`,
+`phalanx train-eagle MODEL --out DIR` (``phalanx.training``) and `phalanx bench ...` (``phalanx.bench``).
 
 Owns: flag names and help (vLLM's names, so commands carry over), turning flags into a
 `ServeConfig`, the default model (no MODEL: the real SmolLM2-135M-Instruct, fetched once into the
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(sub)
     _add_download_parser(sub)
+    _add_train_eagle_parser(sub)
     try:
         from phalanx.bench.cli import add_bench_subparser
     except ImportError:  # the bench package is optional
@@ -211,6 +212,18 @@ def _add_download_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=_HelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+
+
+def _add_train_eagle_parser(subparsers: argparse._SubParsersAction) -> None:
+    from phalanx.training.cli import DESCRIPTION, add_arguments
+
+    p = subparsers.add_parser(
+        "train-eagle",
+        help="train an EAGLE / EAGLE-3 draft head for a model (self-distillation, CPU)",
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
+    )
+    add_arguments(p)
 
 
 def _download(args: argparse.Namespace) -> int:
@@ -294,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "download":
         return _download(args)
+    if args.command == "train-eagle":
+        from phalanx.training.cli import run
+
+        return run(args, list(sys.argv[1:] if argv is None else argv)[1:])
     if args.command == "bench":
         try:
             from phalanx.bench.cli import run_bench

@@ -1,0 +1,168 @@
+"""EAGLE's training objective, with the training-time test: several drafting passes at once.
+
+Owns: `EagleBatch` (one padded batch of teacher-forced target features), `Objective` (the loss:
+feature regression + token cross-entropy, summed over `passes` unrolled drafting passes with
+weights decaying by `pass_decay`), and the per-pass statistics (cross-entropy and top-1 agreement
+with the target, from which `expected_acceptance_length` estimates the engine's acceptance).
+Does not own: the head's forward (``training.head.EagleHead.unrolled``) or where batches come from
+(``training.features``).
+
+Pass 0 at position t sees the target's feature at t and the token x_{t+1} and predicts x_{t+2};
+pass j (the head's (j+1)-th draft) takes as feature its own pass j-1 output at t-1, exactly what
+drafting feeds it, and sees the target's keys up to t-j plus its own chain's (see `unrolled`).
+Its label is the target's greedy token at the same place, so its top-1 agreement estimates the
+chance that draft j+1 is accepted given drafts 1..j were.
+
+Loss per pass: smooth-L1 of the head's output (EAGLE-3: its normed output, which its lm_head, started
+from the target's rows, turns into logits) on the target's final hidden state at t+1, plus
+`ce_weight` x cross-entropy against hard labels (the target's greedy token) or soft labels (the
+target's distribution over the head's vocabulary: its final hidden state times the target's lm_head
+rows of that vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.training.head import EagleHead
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class EagleBatch:
+    tokens: torch.Tensor  # [B, T] int64: the token fed at position t (x_{t+1})
+    features: torch.Tensor  # [B, T, F] the target's feature at t (EAGLE-3: its three aux layers, unfused)
+    next_final: torch.Tensor  # [B, T, H] the target's final normed hidden state at t + 1
+    labels: torch.Tensor  # [B, T] int64 target token id to predict at t (x_{t+2}); IGNORE: no loss
+    positions: torch.Tensor  # [B, T] int64
+
+    @property
+    def num_labels(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+@dataclass
+class PassStats:
+    """Sums over the labelled positions of one pass (add batches, then read the means)."""
+
+    ce: float = 0.0  # hard-label cross-entropy, summed over the positions the head can draft
+    ce_count: int = 0
+    correct: int = 0  # top-1 equal to the target's token
+    count: int = 0  # every labelled position (a token the head cannot draft is a miss)
+
+    def add(self, other: PassStats) -> None:
+        self.ce += other.ce
+        self.ce_count += other.ce_count
+        self.correct += other.correct
+        self.count += other.count
+
+    @property
+    def mean_ce(self) -> float:
+        return self.ce / max(1, self.ce_count)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(1, self.count)
+
+
+@dataclass
+class LossStats:
+    passes: list[PassStats] = field(default_factory=list)
+    loss_sum: float = 0.0
+    batches: int = 0
+
+    def add(self, other: LossStats) -> None:
+        if not self.passes:
+            self.passes = [PassStats() for _ in other.passes]
+        for a, b in zip(self.passes, other.passes, strict=True):
+            a.add(b)
+        self.loss_sum += other.loss_sum
+        self.batches += other.batches
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.batches)
+
+    @property
+    def accuracies(self) -> list[float]:
+        return [p.accuracy for p in self.passes]
+
+    def summary(self) -> dict:
+        return {"loss": round(self.loss, 5), "ce": [round(p.mean_ce, 4) for p in self.passes],
+                "acc": [round(p.accuracy, 4) for p in self.passes],
+                "expected_acceptance_length": round(expected_acceptance_length(self.accuracies), 3)}
+
+
+def expected_acceptance_length(accuracies: list[float]) -> float:
+    """1 + a1 + a1 a2 + ...: the mean tokens per verification step when draft j is accepted with
+    probability a_j given the earlier ones were (k = len(accuracies))."""
+    total, run = 1.0, 1.0
+    for a in accuracies:
+        run *= a
+        total += run
+    return total
+
+
+@dataclass(frozen=True)
+class Objective:
+    passes: int = 3  # drafting passes unrolled in training (the k the head is trained for)
+    labels: str = "soft"  # "soft": the target's distribution; "hard": its greedy token
+    ce_weight: float = 0.5
+    pass_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.passes < 1:
+            raise ValueError(f"passes must be >= 1, got {self.passes}")
+        if self.labels not in ("soft", "hard"):
+            raise ValueError(f"labels must be 'soft' or 'hard', got {self.labels!r}")
+
+    def __call__(self, head: EagleHead, batch: EagleBatch, teacher_rows: torch.Tensor | None = None,
+                 target_to_draft: torch.Tensor | None = None, with_ce: bool = True) -> tuple[torch.Tensor, LossStats]:
+        """The weighted loss over all passes and its statistics (`with_ce=False`: without the
+        hard-label cross-entropy statistic, one more pass over the logits that training can skip).
+
+        teacher_rows [V_head, H]: the target's lm_head rows of the head's vocabulary (soft labels);
+        target_to_draft [V]: draft id of each target id, IGNORE where the head cannot draft it
+        (EAGLE-3's reduced vocabulary; None: the head's vocabulary is the target's).
+        """
+        labels = batch.labels
+        if target_to_draft is not None:  # target ids -> the head's ids (IGNORE outside its vocabulary)
+            labels = torch.where(labels >= 0, target_to_draft[labels.clamp(min=0)], labels)
+        outs = head.unrolled(batch.tokens, head.fuse(batch.features), batch.positions, self.passes)
+        teacher = None
+        if self.labels == "soft":
+            assert teacher_rows is not None, "soft labels need the target's lm_head rows"
+            with torch.no_grad():
+                teacher = torch.softmax(batch.next_final.float() @ teacher_rows.float().t(), dim=-1)
+        weights = [self.pass_decay ** j for j in range(self.passes)]
+        total = torch.zeros(())
+        stats = LossStats(batches=1)
+        for j, pre in enumerate(outs):
+            valid = batch.labels.clone()
+            valid[:, :j] = IGNORE  # pass j needs a chain that starts at t - j >= 0
+            lab = torch.where(valid != IGNORE, labels, IGNORE)
+            m = (valid != IGNORE).unsqueeze(-1).float()  # [B, T, 1]
+            n = m.sum().clamp(min=1.0)
+            logits = head.logits(pre)  # [B, T, V_head]
+            if teacher is not None:
+                token_loss = (-(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1, keepdim=True) * m).sum() / n
+            else:
+                token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
+                                             ignore_index=IGNORE)
+            out = head.norm(pre) if head.eagle3 else pre
+            reg = (F.smooth_l1_loss(out.float(), batch.next_final.float(), reduction="none") * m).sum() / (n * pre.shape[-1])
+            total = total + weights[j] * (reg + self.ce_weight * token_loss)
+            with torch.no_grad():
+                hard_ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
+                                          ignore_index=IGNORE, reduction="sum") if with_ce else torch.zeros(())
+                hit = (logits.argmax(-1) == lab) & (lab != IGNORE)
+            # positions whose target token the head cannot draft count as misses (not as skipped)
+            stats.passes.append(PassStats(ce=float(hard_ce), ce_count=int((lab != IGNORE).sum()),
+                                          correct=int(hit.sum()), count=int(m.sum())))
+        loss = total / sum(weights)
+        stats.loss_sum = float(loss.detach())
+        return loss, stats

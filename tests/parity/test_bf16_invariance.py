@@ -110,6 +110,18 @@ def test_mixed_batch(models: dict[str, Path], alone: list) -> None:
     _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "batched")
 
 
+def test_the_avx2_path_gives_the_same_tokens(models: dict[str, Path], alone: list,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM's AVX2 path (what a CPU without AVX512-BF16 runs) computes the default path's bits:
+    the batch on it equals each request alone on the default path."""
+    monkeypatch.setenv("PHALANX_CPU_ISA", "avx2")
+    if cpu_ops.gemm_isa() != cpu_ops.GEMM_ISAS["avx2"]:
+        pytest.skip("this CPU has no AVX2 + FMA")
+    llm = _llm(models["target"], enable_prefix_caching=False)
+    assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["avx2"]
+    _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "batched on AVX2")
+
+
 def test_chunked_prefill(models: dict[str, Path], alone: list) -> None:
     llm = _llm(models["target"], enable_prefix_caching=False, max_num_batched_tokens=16, block_size=8)
     _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "chunked")

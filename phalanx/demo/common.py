@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from phalanx.demo import MODELS_DIR
 from phalanx.demo.tokenizer import END, prompt_text
+from phalanx.training.loop import lr_at  # noqa: F401 - the demo scripts' name for the shared schedule
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORK_DIR = REPO_ROOT / "build" / "demo"          # regenerated data, tokenizer, intermediate files
@@ -69,13 +69,6 @@ def collate(seqs: list[list[int]], labels: list[list[int]] | None = None, pad_id
         if labels is not None:
             lab[i, :len(s)] = torch.tensor(labels[i])
     return ids, att, lab
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    p = (step - warmup) / max(1, total - warmup)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
 
 def plot_curves(path: Path, curves: dict[str, list[tuple[int, float]]], title: str) -> None:

@@ -1,4 +1,4 @@
-"""Train the phalanx-math demo models (CPU, one thread).
+"""Train the phalanx-math demo models (CPU; each stage on the shared loop, ``phalanx.training.loop``).
 
     python -m phalanx.demo.train target     [--seed 0]   # LlamaForCausalLM, the target
     python -m phalanx.demo.train draft      [--seed 0]   # small Llama draft, distilled on target outputs
@@ -32,12 +32,12 @@ from phalanx.demo.common import (
     length_batches,
     load_rows,
     load_tokenizer,
-    lr_at,
     plot_curves,
     save_hf,
     setup,
     smooth,
 )
+from phalanx.training.loop import LoopConfig, LoopState, TrainLoop
 
 N_DISTILL = 8000  # train questions answered by the target (draft distillation, EAGLE training text)
 
@@ -97,8 +97,6 @@ def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, n
     with a fresh AdamW, its own warm-up + cosine schedule and its own data-order seed, so a
     stage can be resumed from the saved folder (``--resume-stage``) with the same result.
     """
-    from tqdm import tqdm
-
     from phalanx.demo.evaluate import accuracy
 
     arch, cfg_kw, tr = SPECS[name]
@@ -140,43 +138,10 @@ def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, n
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
-        enc = encoded(st)
-        lengths = [len(e[0]) for e in enc]
-        rng = random.Random(seed * 1000 + si)
-        torch.set_num_threads(st.get("threads", 1))
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=st.get("bf16", False))
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=st["lr"], betas=(0.9, 0.95))
-        batches: list[list[int]] = []
-        t0 = time.time()
-        model.train()
-        bar = tqdm(range(st["steps"]), desc=f"{name} stage {si}", mininterval=5)
-        for step in bar:
-            if not batches:
-                batches = length_batches(lengths, st["batch"], rng)
-            b = batches.pop()
-            ids, att, lab = collate([enc[i][0] for i in b], [enc[i][1] for i in b], tok.pad_token_id)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, st["steps"], st["lr"], warmup=min(100, st["steps"] // 10))
-            with autocast:
-                out = model(input_ids=ids, attention_mask=att, labels=lab)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            train_pts.append((offset + step, out.loss.item()))
-            bar.set_postfix(loss=f"{out.loss.item():.3f}")
-            if (step + 1) % 200 == 0 or step + 1 == st["steps"]:
-                model.eval()
-                with torch.no_grad():
-                    vl = model(input_ids=vids, attention_mask=vatt, labels=vlab).loss.item()
-                model.train()
-                val_pts.append((offset + step, vl))
-                print(f"\nstep {offset + step + 1}: train {sum(v for _, v in train_pts[-50:]) / len(train_pts[-50:]):.4f} "
-                      f"val {vl:.4f} ({time.time() - t0:.0f}s)", flush=True)
-        train_time += time.time() - t0
+        state = _train_stage(model, tok, st, encoded(st), seed * 1000 + si, offset, (vids, vatt, vlab),
+                             f"{name} stage {si}", LoopState(0, train_pts, val_pts))
+        train_pts, val_pts = state.train_curve, state.val_curve
+        train_time += state.seconds
         offset += st["steps"]
         if arch == "mixtral":
             model.config.output_router_logits = False
@@ -205,6 +170,40 @@ def train_lm(name: str, seed: int, rows: list[dict], steps: int | None = None, n
     (WORK_DIR / "results").mkdir(parents=True, exist_ok=True)
     (WORK_DIR / "results" / f"{name}.json").write_text(json.dumps(res, indent=1))
     return res
+
+
+def _train_stage(model, tok, st: dict, enc: list[tuple[list[int], list[int]]], data_seed: int, offset: int,
+                 val: tuple[torch.Tensor, torch.Tensor, torch.Tensor], desc: str, state: LoopState) -> LoopState:
+    """One stage on the shared loop: length-bucketed batches of the encoded rows, AdamW (decay on
+    matrices only), warm-up + cosine, validation loss every 200 steps."""
+    lengths = [len(e[0]) for e in enc]
+    rng = random.Random(data_seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=st["lr"], betas=(0.9, 0.95))
+    batches: list[list[int]] = []
+    t0 = time.time()
+
+    def next_batch(step: int) -> list[int]:
+        if not batches:
+            batches.extend(length_batches(lengths, st["batch"], rng))
+        return batches.pop()
+
+    def loss_fn(b: list[int]) -> tuple[torch.Tensor, str]:
+        ids, att, lab = collate([enc[i][0] for i in b], [enc[i][1] for i in b], tok.pad_token_id)
+        return model(input_ids=ids, attention_mask=att, labels=lab).loss, ""
+
+    def eval_fn(step: int) -> float:
+        vl = model(input_ids=val[0], attention_mask=val[1], labels=val[2]).loss.item()
+        last = state.train_curve[-50:]
+        print(f"\nstep {offset + step + 1}: train {sum(v for _, v in last) / len(last):.4f} "
+              f"val {vl:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        return vl
+
+    cfg = LoopConfig(steps=st["steps"], lr=st["lr"], warmup=min(100, st["steps"] // 10), bf16=st.get("bf16", False),
+                     threads=st.get("threads", 1), eval_every=200, desc=desc, curve_offset=offset)
+    return TrainLoop(cfg, model, opt, next_batch, loss_fn, eval_fn).run(state)
 
 
 def distill_rows(seed: int, n: int) -> list[dict]:

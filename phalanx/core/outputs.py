@@ -24,6 +24,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Tokens the request produced before it reached this engine (a request replayed after the rank
+    # that ran it died): they follow the prompt and count as output (penalties, min/max_tokens).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -184,7 +184,14 @@ class Scheduler:
             else:
                 self._runner_knows.add(req.req_id)
                 new_reqs.append(
-                    NewRequestData(req.req_id, req.prompt_token_ids, req.sampling_params, block_ids, num_hit)
+                    NewRequestData(
+                        req.req_id,
+                        req.prompt_token_ids,
+                        req.sampling_params,
+                        block_ids,
+                        num_hit,
+                        list(req.output_token_ids),
+                    )
                 )
             num_scheduled[req.req_id] = num_new
             if num_hit + num_new == req.num_tokens:

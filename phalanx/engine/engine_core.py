@@ -28,6 +28,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     group_id: str | None = None  # the parent request of an n > 1 sample
+    # Output tokens already produced elsewhere (the API server replays a request whose rank died):
+    # the engine computes prompt + these as context and goes on from there, counting them as
+    # output (penalties, min_tokens, max_tokens) and advancing a seeded generator past them.
+    output_token_ids: list[int] = []
 
 
 class EngineCore:
@@ -65,6 +69,9 @@ class EngineCore:
         params.check_token_ids(self.cfg.model.vocab_size)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        produced = request.output_token_ids
+        if produced:
+            validate_resumed_tokens(produced, self.cfg.model.vocab_size, max_tokens)
         req = Request(
             req_id=request.req_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -73,6 +80,7 @@ class EngineCore:
             arrival_time=request.arrival_time or time.monotonic(),
             max_tokens=max_tokens,
             group_id=request.group_id,
+            output_token_ids=list(produced),
         )
         self.scheduler.add_request(req)
         self.num_prompt_tokens += len(req.prompt_token_ids)
@@ -147,3 +155,16 @@ def validate_prompt_tokens(prompt_token_ids: list[int], vocab_size: int, max_mod
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise ValueError(f"token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")
+
+
+def validate_resumed_tokens(output_token_ids: list[int], vocab_size: int, max_tokens: int) -> None:
+    """A resumed request's produced tokens: in the vocabulary, and fewer than its max_tokens (a
+    request that reached max_tokens is finished, never resumed)."""
+    if len(output_token_ids) >= max_tokens:
+        raise ValueError(
+            f"a resumed request has {len(output_token_ids)} output tokens already; it must have fewer "
+            f"than its max_tokens ({max_tokens})"
+        )
+    bad = [t for t in output_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"output token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")

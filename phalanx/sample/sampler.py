@@ -220,6 +220,19 @@ class Sampler:
             q[row].exponential_(generator=gen)
         return (probs / q.clamp_min_(_MIN_EXPONENTIAL)).argmax(dim=-1)
 
+    @staticmethod
+    def skip_draws(generator: torch.Generator, num_positions: int, vocab_size: int) -> None:
+        """Advance a seeded request's generator past ``num_positions`` sampled positions, as if it had
+        sampled them: every sampled position of a seeded random request draws exactly V float32
+        exponentials (``sample_from_probs``, and ``rejection._sample_seeded_in_order`` under
+        speculation), whatever the batch. A request resumed from tokens it already produced
+        (replayed after an engine rank died) then samples what it would have sampled."""
+        if num_positions <= 0:
+            return
+        buf = torch.empty(vocab_size, dtype=torch.float32)  # [V]
+        for _ in range(num_positions):
+            buf.exponential_(generator=generator)
+
     def uniform(
         self,
         num_per_row: list[int],

@@ -142,6 +142,8 @@ class ModelRunner:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator().manual_seed(params.seed)
+                if not params.greedy:  # a resumed request's generator continues where it stood
+                    Sampler.skip_draws(gen, len(new.output_token_ids), self.cfg.model.vocab_size)
             self.requests[new.req_id] = RunnerRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -149,7 +151,7 @@ class ModelRunner:
                 generator=gen,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
             )
             if self.proposer is not None:
                 self.proposer.start_request(new.req_id, new.num_computed_tokens)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.e2e.conftest import API_KEY, MODEL_NAME, ServerProcess
+from tests.tiny_models import load_hf, middle_stop_string
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2 + 3?"}]
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -21,6 +24,40 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 def async_client(server: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+class Reference:
+    """transformers (fp32, the served model's dtype) on the served checkpoint, and the server's token
+    strings mapped back to ids (they are one string per id for the byte-level tokenizer: checked)."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from phalanx.engine.detokenizer import detokenize_logprobs
+
+        self.model = load_hf(folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.strings = detokenize_logprobs(self.tokenizer, list(range(len(self.tokenizer))))
+        self.ids = {s: i for i, s in enumerate(self.strings)}
+        assert len(self.ids) == len(self.strings)
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]: row i predicts ids[i + 1]
+        with torch.no_grad():
+            return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Reference:
+    return Reference(tiny_model)
+
+
+def _tokenize(server: ServerProcess, prompt: str) -> list[int]:
+    return httpx.post(f"{server.base_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
 
 
 def test_models_list(client: openai.OpenAI) -> None:
@@ -143,19 +180,37 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert [p.logprob for p in streamed] == pytest.approx([p.logprob for p in content], abs=1e-4)
 
 
-def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
+def test_completion_logprobs_and_echo(client: openai.OpenAI, server: ServerProcess, reference: Reference) -> None:
+    """Sample and echoed prompt logprobs are transformers' values for the same tokens: each chosen
+    token's logprob, and the top-n alternatives by name and value."""
+    prompt_ids = _tokenize(server, "hello world")
+    generated = reference.greedy(prompt_ids, 4)
+    full = prompt_ids + generated
+    ref = reference.logprobs(full)
+
+    def check_position(pos: int, token: str, logprob: float, top: dict[str, float], n: int) -> None:
+        row = ref[pos - 1]  # the logits before position pos
+        assert reference.ids[token] == full[pos], pos
+        assert logprob == pytest.approx(row[full[pos]].item(), abs=1e-4), pos
+        top_ids = [reference.ids[t] for t in top]
+        assert set(row.topk(n).indices.tolist()) <= set(top_ids) <= {*row.topk(n).indices.tolist(), full[pos]}, pos
+        assert [v for v in top.values()] == pytest.approx([row[i].item() for i in top_ids], abs=1e-4), pos
+
     r = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=4, logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(len(d) >= 2 for d in lp.top_logprobs)
+    for j in range(4):
+        check_position(len(prompt_ids) + j, lp.tokens[j], lp.token_logprobs[j], lp.top_logprobs[j], 2)
     e = client.completions.create(
         model=MODEL_NAME, prompt="hello world", max_tokens=4, logprobs=1, echo=True, **GREEDY
     )
     assert e.choices[0].text == "hello world" + r.choices[0].text
-    n_prompt = e.usage.prompt_tokens
+    assert e.usage.prompt_tokens == len(prompt_ids)
     elp = e.choices[0].logprobs
-    assert len(elp.tokens) == n_prompt + 4
-    assert elp.token_logprobs[0] is None and all(x is not None for x in elp.token_logprobs[1:])
+    assert [reference.ids[t] for t in elp.tokens] == full
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None  # nothing predicts the first token
+    for pos in range(1, len(full)):
+        check_position(pos, elp.tokens[pos], elp.token_logprobs[pos], elp.top_logprobs[pos], 1)
     # Streamed with echo: the same text, tokens and offsets, chunk by chunk.
     text, tokens, offsets = "", [], []
     for chunk in client.completions.create(
@@ -168,18 +223,10 @@ def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert (text, tokens, offsets) == (e.choices[0].text, elp.tokens, elp.text_offset)
 
 
-def _printable_stop(text: str) -> tuple[str, str]:
-    """A 2-character stop string from the middle of `text` and the text before its first occurrence."""
-    for i in range(2, len(text) - 2):
-        stop = text[i : i + 2]
-        if stop.isprintable() and "\ufffd" not in stop and stop.strip():
-            return stop, text[: text.find(stop)]
-    pytest.skip(f"no printable stop candidate in {text!r}")
-
-
 def test_stop_strings(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, **GREEDY)
-    stop, expected = _printable_stop(full.choices[0].text)
+    stop = middle_stop_string(full.choices[0].text)
+    expected = full.choices[0].text[: full.choices[0].text.index(stop)]
     r = client.completions.create(
         model=MODEL_NAME, prompt="def add(a, b):", max_tokens=30, stop=[stop], **GREEDY
     )
@@ -248,20 +295,35 @@ def test_extension_fields(client: openai.OpenAI) -> None:
         "num_verify_steps": 0,
         "mean_acceptance_length": None,
     }
-    cont = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[*MSGS, {"role": "assistant", "content": "It is"}],
-        max_tokens=3,
-        extra_body={"add_generation_prompt": False, "continue_final_message": True},
-        temperature=0.0,
-    )
-    assert cont.choices[0].finish_reason in ("length", "stop")
+
+
+def test_generation_prompt_flags_render_the_prompt_they_name(client: openai.OpenAI, server: ServerProcess) -> None:
+    """`add_generation_prompt: false` leaves the assistant opener out, `continue_final_message: true`
+    continues the last assistant message in place (no end-of-message newline): each chat request
+    equals a plain completion of the text the chat template gives for those flags, token for token."""
+    rendered = "<|system|>be brief\n<|user|>What is 2 + 3?\n"  # conftest.CHAT_TEMPLATE, by hand
+    cases = [
+        ({}, MSGS, rendered + "<|assistant|>"),  # the default, for contrast
+        ({"add_generation_prompt": False}, MSGS, rendered),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         [*MSGS, {"role": "assistant", "content": "It is"}], rendered + "<|assistant|>It is"),
+    ]  # fmt: skip
+    counts = []
+    for flags, messages, prompt in cases:
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.0,
+                                              extra_body={"ignore_eos": True, **flags})  # fmt: skip
+        plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, **GREEDY)
+        assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == len(_tokenize(server, prompt)), flags
+        assert chat.choices[0].message.content == plain.choices[0].text, flags
+        counts.append(chat.usage.prompt_tokens)
+    assert len(set(counts)) == 3  # three different prompts
 
 
 def test_async_client_concurrent_streams(server: ServerProcess, client: openai.OpenAI) -> None:
     """32 concurrent streams (greedy, some with a stop string) all finish with the right reason."""
     base = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=24, **GREEDY)
-    stop, expected_stop_text = _printable_stop(base.choices[0].text)
+    stop = middle_stop_string(base.choices[0].text)
+    expected_stop_text = base.choices[0].text[: base.choices[0].text.index(stop)]
 
     async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[int, str, str | None, int]:
         kwargs = {"stop": [stop]} if i % 4 == 0 else {}

@@ -3,8 +3,10 @@
 * randomized stress per configuration (>= 200 requests): bursts, late arrivals after ranks went
   idle, one rank idle while others work, random prompt lengths and max_tokens, aborts, requests
   past the drafter's max_model_len on one rank only, drafting switched off by batch size on some
-  ranks and steps — everything not aborted completes with
-  exactly the tokens a single rank without speculation produces, every block comes back, no hang;
+  ranks and steps — every greedy request not aborted completes with exactly the tokens a single
+  rank without speculation produces, every seeded sampled one with exactly the tokens a single rank
+  with the same speculative config produces (a seeded request draws from its own generator, so its
+  tokens do not depend on the batch), every block comes back, no hang;
 * the seed's bug reproduced on purpose: a rank skipping the drafter without the vote is reported
   by the collective check, naming both call sites, instead of hanging;
 * without the check, the same bug still ends in an error within the DP timeout, never a hang.
@@ -41,10 +43,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _workload(num_ranks: int, num_requests: int, seed: int):  # noqa: ANN202
-    """Per-rank jobs plus the greedy requests to check: (rank, req_id, prompt, max_tokens)."""
+    """Per-rank jobs, the greedy requests to check: (rank, req_id, prompt, max_tokens), and the seeded
+    sampled ones: (rank, req_id, prompt, SamplingParams kwargs)."""
     rng = random.Random(seed)
     jobs = [RankJob() for _ in range(num_ranks)]
-    checked = []
+    checked, sampled = [], []
     for i in range(num_requests):
         phase = rng.random()
         if phase < 0.3:
@@ -62,12 +65,22 @@ def _workload(num_ranks: int, num_requests: int, seed: int):  # noqa: ANN202
         abort_at = arrival + rng.randint(0, 6) if rng.random() < 0.08 else -1
         if rng.random() < 0.15:
             params = dict(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+            if abort_at < 0:
+                sampled.append((rank, f"r{i}", prompt, params))
         else:
             params = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
             if abort_at < 0:
                 checked.append((rank, f"r{i}", prompt, max_tokens))
         jobs[rank].requests.append((arrival, f"r{i}", prompt, params, abort_at))
-    return jobs, checked
+    return jobs, checked, sampled
+
+
+def _sampled_reference(llm_kwargs: dict, sampled) -> dict[str, list[int]]:  # noqa: ANN001
+    """The seeded sampled requests on one rank with the same engine and speculative config."""
+    llm = LLM(**llm_kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for *_, p, _ in sampled],
+                        [SamplingParams(**params) for *_, params in sampled], use_tqdm=False)  # fmt: skip
+    return {rid: o.outputs[0].token_ids for (_, rid, _, _), o in zip(sampled, outs)}
 
 
 def _reference(model: Path, checked) -> dict[str, list[int]]:  # noqa: ANN001
@@ -92,10 +105,11 @@ CONFIGS = {
 SPEC_EXTRA = {"dense-lockstep+eagle-disable-by-batch": {"disable_by_batch_size": 3}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str, Path]) -> None:
     target, drafter, ranks, par = CONFIGS[name]
-    jobs, checked = _workload(ranks, 200, seed=sorted(CONFIGS).index(name))
+    jobs, checked, sampled = _workload(ranks, 200, seed=sorted(CONFIGS).index(name))
     spec = None
     if drafter == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 3, "max_model_len": DRAFT_MAX_LEN}
@@ -105,8 +119,9 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
         spec.update(SPEC_EXTRA.get(name, {}))
     llm_kwargs = dict(model=str(models[target]), dtype="float32", max_model_len=MAX_LEN, kv_cache_space=0.02,
                       speculative_config=spec, max_num_batched_tokens=96, block_size=8)
+    # The timeout is a ceiling against a hang that keeps the test below pytest's 300 s.
     results = run_ranks(ranks, llm_kwargs, dict(dp_timeout_s=30, check_collectives=True, **par), jobs,
-                        timeout_s=240)
+                        timeout_s=150)
     for rank, (status, payload) in results.items():
         assert status == "ok", f"rank {rank}: {status} {payload}"
     ref = _reference(models[target], checked)
@@ -114,6 +129,14 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
         got = results[rank][1]
         assert got["finish"][rid] == "length", rid
         assert got["tokens"][rid] == ref[rid], f"{name}: {rid} on rank {rank} differs from a single rank"
+    assert len(sampled) >= 10
+    if name not in SPEC_EXTRA:  # (disable_by_batch_size drafts by batch, so a sampled request's draws do too)
+        sampled_ref = _sampled_reference(llm_kwargs, sampled)
+        for rank, rid, _, _ in sampled:
+            assert results[rank][1]["tokens"][rid] == sampled_ref[rid], f"{name}: sampled {rid} on rank {rank}"
+    for rank, rid, _, params in sampled:
+        assert results[rank][1]["finish"][rid] == "length"
+        assert len(results[rank][1]["tokens"][rid]) == params["max_tokens"], rid
     for rank, (_, got) in results.items():
         assert set(got["finish"]) == {r[1] for r in jobs[rank].requests}  # everything ended
         assert got["free_blocks"] == got["num_blocks"]  # no leaked KV block

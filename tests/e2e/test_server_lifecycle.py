@@ -24,7 +24,10 @@ LONG = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "ignore_eos":
 
 
 def metrics(base_url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{base_url}/metrics").text
+    return parse_metrics(httpx.get(f"{base_url}/metrics").text)
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -36,7 +39,8 @@ def gauge_sum(m: dict, name: str) -> float:
     return sum(v for (n, _), v in m.items() if n == name)
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    """Polls until `predicate()` holds; the timeout is a ceiling against a hang, never the property."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -45,13 +49,21 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _explicit_threads() -> int:
+    """A --num-threads value that differs from the default on this machine, so its effect shows."""
+    from phalanx.engine.core_client import local_threads
+
+    return 2 if local_threads(1) != 2 else 1
+
+
 @pytest.fixture(scope="module")
 def slow_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The tiny model generates 200 tokens in ~0.3 s, faster than a client can poll /metrics: every
-    step sleeps 20 ms here so a request is reliably still running when the client walks away."""
+    step sleeps 20 ms here so a request is reliably still running when the client walks away. Its
+    engine runs an explicit --num-threads."""
     log_path = tmp_path_factory.mktemp("slow_server") / "server.log"
     srv = start_server(tiny_model, log_path, "--api-key", API_KEY, "--max-model-len", "256",
-                       env={STEP_DELAY_ENV: "20"})  # fmt: skip
+                       "--num-threads", str(_explicit_threads()), env={STEP_DELAY_ENV: "20"})  # fmt: skip
     yield srv
     code = srv.stop()
     assert code == 0, f"server exited with {code}:\n{srv.log()[-3000:]}"
@@ -80,6 +92,11 @@ def test_served_engine_logs_its_threads(server: ServerProcess) -> None:
     from phalanx.engine.core_client import local_threads
 
     assert f"engine rank 0: {local_threads(1)} torch thread(s)" in server.log()
+
+
+def test_num_threads_flag_sets_the_engine_threads(slow_server: ServerProcess) -> None:
+    """--num-threads reaches the engine process (its log line reports torch.get_num_threads())."""
+    assert f"engine rank 0: {_explicit_threads()} torch thread(s)" in slow_server.log()
 
 
 def test_stream_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
@@ -113,13 +130,28 @@ def test_stream_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
 
 def test_non_streaming_disconnect_frees_blocks(slow_server: ServerProcess) -> None:
     """A client that gives up on a non-streaming request aborts it too (not run to completion)."""
+    import asyncio
+
     url = slow_server.base_url
     abort_key = ("phalanx:request_success_total", (("finished_reason", "abort"),))
     aborts_before = metrics(url).get(abort_key, 0.0)
     generated_before = gauge_sum(metrics(url), "phalanx:generation_tokens_total")
-    # 16 samples of 240 tokens keep the engine busy (>= 4.8 s here) for well over the client's patience.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json={**LONG, "max_tokens": 240, "n": 16}, headers=AUTH, timeout=0.25)
+
+    async def give_up_once_running() -> None:
+        # 16 samples of 240 tokens keep the engine busy (>= 4.8 s of 20 ms steps); the client walks away
+        # as soon as the server reports them running.
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
+            task = asyncio.create_task(c.post("/v1/completions", json={**LONG, "max_tokens": 240, "n": 16}))
+            deadline = time.monotonic() + 60  # a ceiling against a hang
+            while gauge_sum(parse_metrics((await c.get("/metrics")).text), "phalanx:num_requests_running") == 0:
+                assert time.monotonic() < deadline and not task.done(), "the request never showed as running"
+                await asyncio.sleep(0.05)
+            assert not task.done()
+            task.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(give_up_once_running())
     wait_for(
         lambda: (
             gauge_sum(metrics(url), "phalanx:num_requests_running") == 0
@@ -189,9 +221,9 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
     speculative stats. Killing one rank makes /health 503, fails in-flight requests promptly, shuts the
     other rank down, and the server exits non-zero within seconds (never a hang)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
-    # 5 ms per step: the 8 x 500-token request below is certainly still running when the rank dies.
+    # 10 ms per step: the 8 x 500-token request below runs >= 5 s, and the rank dies once it is running.
     srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "512",
-                       "--speculative-config", spec, env={STEP_DELAY_ENV: "5"})  # fmt: skip
+                       "--speculative-config", spec, env={STEP_DELAY_ENV: "10"})  # fmt: skip
     try:
         pids = srv.engine_pids()
         assert len(pids) == 2
@@ -221,16 +253,18 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
             )
             wait_for(lambda: "mean acceptance length" in srv.log(), what="the speculative stats log line")
             pool = ThreadPoolExecutor(1)
-            # Long enough (8 x 500 tokens) to still be running when the rank dies.
             blocking = pool.submit(c.post, "/v1/completions", json={**LONG, "max_tokens": 500, "n": 8})
             with c.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 500, "stream": True, "n": 2}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
-                t0 = time.monotonic()
+                wait_for(lambda: gauge_sum(metrics(srv.base_url), "phalanx:num_requests_running") == 10,
+                         what="both requests' 10 samples to run")  # fmt: skip
+                assert not blocking.done()
                 os.kill(pids[1], signal.SIGKILL)
-                rest = list(lines)
-                assert time.monotonic() - t0 < 10
-            in_flight = blocking.result(timeout=10)  # the non-streaming request fails fast too
+                rest = list(lines)  # the stream ends (the client's 30 s read timeout guards a hang)
+            # The non-streaming request fails too instead of waiting for a rank that is gone (the
+            # ceiling guards a hang; its 4000 tokens would take >= 5 s of steps on a live server).
+            in_flight = blocking.result(timeout=120)
             pool.shutdown()
             assert in_flight.status_code == 503 and in_flight.json()["error"]["code"] == "engine_dead"
             assert any('"engine_dead"' in line for line in rest), rest[-3:]
@@ -242,7 +276,7 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
                 assert r.status_code >= 500
             except httpx.TransportError:
                 pass  # already shutting down
-        assert srv.proc.wait(15) != 0
+        assert srv.proc.wait(120) != 0  # exits on its own (the ceiling guards a hang)
         assert "exited with code -9" in srv.log()
         wait_for(lambda: not _alive(pids[0]), what="the surviving rank to be shut down")
     finally:
@@ -321,15 +355,18 @@ def test_speculative_flag_errors(tiny_model: Path, capsys, caplog) -> None:
     assert code == 2 and "num_speculative_tokens" in out
 
 
-def test_no_model_serves_the_demo_with_eagle(tmp_path: Path) -> None:
-    """`phalanx serve` with no MODEL is the built-in demo with its EAGLE head (k = 3): it answers a
+@pytest.mark.slow
+def test_builtin_demo_serves_with_its_eagle_head(tmp_path: Path) -> None:
+    """`phalanx serve phalanx-math` with the built-in EAGLE head (k = 3), both by name: it answers a
     held-out question correctly and its drafts are accepted."""
     import re
 
     from phalanx.demo.data import extract_answer
 
     row = json.loads((REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open().readline())
-    server = start_server(None, tmp_path / "s.log", "--served-model-name", "phalanx-math", timeout=180)
+    spec = json.dumps({"model": "phalanx-math-eagle", "num_speculative_tokens": 3})
+    server = start_server("phalanx-math", tmp_path / "s.log", "--served-model-name", "phalanx-math",
+                          "--speculative-config", spec, timeout=180)  # fmt: skip
     try:
         body = {"model": "phalanx-math", "messages": [{"role": "user", "content": row["question"]}],
                 "temperature": 0, "max_tokens": 96}

@@ -26,6 +26,7 @@ def _lm_eval() -> str:
     return found
 
 
+@pytest.mark.slow
 def test_lm_eval_local_chat_completions(server: ServerProcess, tmp_path: Path) -> None:
     out_dir = tmp_path / "results"
     env = {
@@ -43,7 +44,8 @@ def test_lm_eval_local_chat_completions(server: ServerProcess, tmp_path: Path) -
         "--tasks", "phalanx_tiny", "--include_path", str(TASK_DIR.relative_to(REPO)), "--apply_chat_template",
         "--output_path", str(out_dir),
     ]  # fmt: skip
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150, check=False)
+    # The timeout is a ceiling against a hang (below pytest's 300 s per test), not a speed requirement.
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     files = list(out_dir.rglob("results_*.json"))
     assert len(files) == 1, r.stderr[-2000:]

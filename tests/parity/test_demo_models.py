@@ -38,6 +38,7 @@ def test_target_matches_transformers_greedy(target: str) -> None:
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "method", "drafter", "floor"),
     [

@@ -33,7 +33,11 @@ class FakeEngineClient:
         self.dead_message: str | None = None
         self._queue: asyncio.Queue[EngineMessage] = asyncio.Queue()
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> int:
+    ranks: list = []  # no rank processes: nothing dies, nothing restarts
+    serving = True
+    has_remote_ranks = False
+
+    def add_requests(self, requests: list[EngineCoreRequest], timeout_s: float | None = None) -> int:
         self.added.extend(requests)
         for r in requests:
             n = min(len(self.tokens), r.sampling_params.max_tokens or len(self.tokens))
@@ -50,8 +54,14 @@ class FakeEngineClient:
     async def recv(self) -> EngineMessage:
         return await self._queue.get()
 
-    def dead_rank(self) -> None:
-        return None
+    def newly_dead(self) -> list:
+        return []
+
+    def overdue(self, now: float) -> list:
+        return []
+
+    def expire_pending(self, now: float) -> list[str]:
+        return []
 
 
 @asynccontextmanager

@@ -1,11 +1,16 @@
-"""The API server's handle on its engine-core processes: start, route, abort, watch, stop.
+"""The API server's handle on its engine-core processes: start, route, abort, watch, replace, stop.
 
 Owns: spawning one engine-core process per data-parallel rank (``multiprocessing`` spawn context),
 the ZMQ sockets to them (asyncio), the start-up handshake (every rank reports `EngineReady` or a
-clear `EngineFailed` message), routing each request to the least-loaded rank (unfinished engine
-requests routed there: running + waiting, as the client sees them), and noticing a dead rank.
-Does not own: the message formats or the engine loop (``core_process``), text, request state
-and streaming (``entrypoints.async_llm``).
+clear `EngineFailed` message), routing each request to the least-loaded serving rank (unfinished
+engine requests routed there: running + waiting, as the client sees them), holding requests while
+no rank serves (`pending`, each with a deadline), noticing a dead rank, and the mechanics of
+recovery: retiring a dead rank (its process reaped, its input socket closed, its generation
+retired so that its late messages are dropped, its requests handed back), starting a replacement
+process, and re-forming a lockstep group (every rank restarted on a fresh rendezvous port).
+Does not own: the message formats or the engine loop (``core_process``), when to restart and how
+often (``recovery``, ``entrypoints.async_llm``), text, request state and streaming
+(``entrypoints.async_llm``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import multiprocessing
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,6 +43,7 @@ from phalanx.engine.core_process import (
     run_engine_core,
 )
 from phalanx.engine.engine_core import EngineCoreRequest
+from phalanx.engine.recovery import RankState
 from phalanx.net import free_port
 
 logger = logging.getLogger("phalanx.engine")
@@ -47,7 +54,11 @@ class EngineStartupError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """An engine-core rank died or failed while serving."""
+    """An engine-core rank died or failed while serving, and the server cannot go on (fail-fast)."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """No engine rank could take a request within the recovery timeout (ranks restarting)."""
 
 
 @dataclass
@@ -57,6 +68,21 @@ class RankHandle:
     input_socket: zmq.asyncio.Socket
     ready: EngineReady | None = None
     num_unfinished: int = 0  # engine requests routed here and not finished yet
+    state: RankState = RankState.STARTING
+    generation: int = 0  # the generation of the current (or last) process; older ones are retired
+    started_at: float = field(default_factory=time.monotonic)  # when the current process was spawned
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.process is None else self.process.exitcode
+
+
+@dataclass
+class _Pending:
+    """A group of engine requests (the samples of one parent) waiting for a serving rank."""
+
+    requests: list[EngineCoreRequest]
+    deadline: float
 
 
 @dataclass
@@ -150,6 +176,9 @@ class EngineCoreClient:
         self._output_socket.bind(self._output_address)
         self.dead_message: str | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._pending: deque[_Pending] = deque()
+        self._threads = 1
+        self.lockstep = False  # the ranks run the lockstep loop (known once they are ready)
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -157,33 +186,41 @@ class EngineCoreClient:
         cfg = self.config
         dp = cfg.data_parallel_size
         local = range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + (cfg.data_parallel_size_local or dp))
-        threads = local_threads(len(local), cfg.num_threads)
-        engine_args = dataclasses.asdict(cfg.engine_args)
+        self._threads = local_threads(len(local), cfg.num_threads)
         for rank in range(dp):
             address = self._addresses.inputs[rank]
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(address)
-            proc = None
-            if rank in local:
-                proc = spawn_rank(
-                    EngineProcessConfig(
-                        engine_args=engine_args,
-                        rank=rank,
-                        data_parallel_size=dp,
-                        input_address=address,
-                        output_address=self._output_address,
-                        log_level=cfg.log_level,
-                        num_threads=threads,
-                        dist_init_method=self._addresses.dist_init_method,
-                    )
-                )
+            proc = self._spawn(rank, address, 0) if rank in local else None
             self.ranks.append(RankHandle(rank, proc, sock))
         if len(local) < dp:
             logger.info("waiting for %d remote engine rank(s) to connect", dp - len(local))
         await self._wait_ready()
+        self.lockstep = any(r.ready is not None and r.ready.lockstep for r in self.ranks)
         if len(local) < dp:
             self._heartbeat = asyncio.create_task(self._ping_remote_ranks())
+
+    def _spawn(self, rank: int, input_address: str, generation: int) -> Any:
+        cfg = self.config
+        return spawn_rank(
+            EngineProcessConfig(
+                engine_args=dataclasses.asdict(cfg.engine_args),
+                rank=rank,
+                data_parallel_size=cfg.data_parallel_size,
+                input_address=input_address,
+                output_address=self._output_address,
+                log_level=cfg.log_level,
+                num_threads=self._threads,
+                dist_init_method=self._addresses.dist_init_method,
+                generation=generation,
+            )
+        )
+
+    @property
+    def has_remote_ranks(self) -> bool:
+        """Some ranks run on other nodes (``--headless``): this process cannot restart them."""
+        return any(r.process is None for r in self.ranks)
 
     async def _ping_remote_ranks(self) -> None:
         """Remote ranks cannot watch this process; they stop when these pings stop."""
@@ -191,10 +228,8 @@ class EngineCoreClient:
         while True:
             for r in self.ranks:
                 if r.process is None:
-                    try:
-                        r.input_socket.send(ping, zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass  # a queue full of pings: the rank is gone or stuck; its peers notice
+                    # A queue full of pings: the rank is gone or stuck; its peers notice.
+                    _send_nowait(r.input_socket, ping)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _wait_ready(self) -> None:
@@ -207,18 +242,22 @@ class EngineCoreClient:
             if await self._output_socket.poll(200):
                 msg = self._decoder.decode(await self._output_socket.recv())
                 if isinstance(msg, EngineReady):
-                    self.ranks[msg.rank].ready = msg
-                    logger.info(
-                        "engine rank %d ready (pid %d, %d KV blocks)", msg.rank, msg.pid, msg.num_kv_blocks
-                    )
+                    self._on_ready(msg)
                 elif isinstance(msg, EngineFailed):
                     raise EngineStartupError(f"engine rank {msg.rank} failed to start: {msg.message}")
                 continue
-            dead = self.dead_rank()
-            if dead is not None:
+            dead = self.newly_dead()
+            if dead:
                 raise EngineStartupError(
-                    f"engine rank {dead.rank} exited during start-up with code {dead.process.exitcode}"
+                    f"engine rank {dead[0].rank} exited during start-up with code {dead[0].exitcode}"
                 )
+
+    def _on_ready(self, msg: EngineReady) -> None:
+        r = self.ranks[msg.rank]
+        r.ready = msg
+        r.state = RankState.READY
+        again = f" again after {time.monotonic() - r.started_at:.1f} s (generation {msg.generation})" if msg.generation else ""
+        logger.info("engine rank %d ready (pid %d, %d KV blocks)%s", msg.rank, msg.pid, msg.num_kv_blocks, again)
 
     @property
     def max_model_len(self) -> int:
@@ -231,28 +270,79 @@ class EngineCoreClient:
         return self.ranks[0].ready.vocab_size
 
     # ---- requests ---------------------------------------------------------------------------
-    def least_loaded_rank(self) -> RankHandle:
+    def serving_ranks(self) -> list[RankHandle]:
+        """Ranks that take requests now: the ready ones; lockstep ranks only all together (a
+        lockstep group serves only when every rank is in it)."""
+        ready = [r for r in self.ranks if r.state is RankState.READY]
+        if self.lockstep and len(ready) < len(self.ranks):
+            return []
+        return ready
+
+    @property
+    def serving(self) -> bool:
+        return self.dead_message is None and bool(self.serving_ranks())
+
+    def least_loaded_rank(self, ranks: list[RankHandle] | None = None) -> RankHandle:
         """Fewest unfinished requests; ties go round-robin (so an idle server spreads sequential work)."""
+        ranks = self.serving_ranks() if ranks is None else ranks
         n = len(self.ranks)
-        rank = min(self.ranks, key=lambda r: (r.num_unfinished, (r.rank - self._next_rank) % n))
+        rank = min(ranks, key=lambda r: (r.num_unfinished, (r.rank - self._next_rank) % n))
         self._next_rank = (rank.rank + 1) % n
         return rank
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> int:
-        """Send a group of engine requests (the samples of one parent) to one rank; returns it.
+    def add_requests(self, requests: list[EngineCoreRequest], timeout_s: float | None = None) -> int | None:
+        """Send a group of engine requests (the samples of one parent) to one rank; returns it. With
+        no serving rank (all restarting) and a `timeout_s`, the group waits in `pending` (None is
+        returned) until a rank is ready or `expire_pending` gives it up.
 
         The group stays together so the samples share prefix-cache blocks."""
         if self.dead_message is not None:
             raise EngineDeadError(self.dead_message)
-        rank = self.least_loaded_rank()
+        serving = self.serving_ranks()
+        if not serving:
+            if timeout_s is None:
+                raise EngineUnavailableError("no engine rank is serving")
+            self._pending.append(_Pending(list(requests), time.monotonic() + timeout_s))
+            return None
+        rank = self.least_loaded_rank(serving)
         for req in requests:
             self._req_rank[req.req_id] = rank
             rank.num_unfinished += 1
             rank.input_socket.send(self._encoder.encode(AddRequest(req)))
         return rank.rank
 
+    @property
+    def num_pending(self) -> int:
+        return sum(len(p.requests) for p in self._pending)
+
+    def flush_pending(self) -> int:
+        """Route the waiting groups, oldest first, once a rank serves; returns how many requests went."""
+        sent = 0
+        while self._pending and self.serving_ranks():
+            group = self._pending.popleft()
+            self.add_requests(group.requests)
+            sent += len(group.requests)
+        return sent
+
+    def expire_pending(self, now: float) -> list[str]:
+        """Drop the groups whose deadline passed; returns their engine request ids."""
+        expired: list[str] = []
+        keep: deque[_Pending] = deque()
+        for group in self._pending:
+            if group.deadline <= now:
+                expired.extend(r.req_id for r in group.requests)
+            else:
+                keep.append(group)
+        self._pending = keep
+        return expired
+
     def abort_requests(self, req_ids: list[str]) -> None:
         by_rank: dict[int, list[str]] = {}
+        ids = set(req_ids)
+        if self._pending:
+            for group in self._pending:
+                group.requests = [r for r in group.requests if r.req_id not in ids]
+            self._pending = deque(g for g in self._pending if g.requests)
         for req_id in req_ids:
             rank = self._req_rank.pop(req_id, None)
             if rank is not None:
@@ -260,8 +350,8 @@ class EngineCoreClient:
                 by_rank.setdefault(rank.rank, []).append(req_id)
         if self.dead_message is not None:
             return
-        for r, ids in by_rank.items():
-            self.ranks[r].input_socket.send(self._encoder.encode(AbortRequests(ids)))
+        for r, rids in by_rank.items():
+            self.ranks[r].input_socket.send(self._encoder.encode(AbortRequests(rids)))
 
     def mark_finished(self, req_id: str) -> None:
         """An engine request finished (or was rejected); it no longer loads its rank."""
@@ -270,27 +360,96 @@ class EngineCoreClient:
             rank.num_unfinished -= 1
 
     async def recv(self) -> EngineMessage:
-        return self._decoder.decode(await self._output_socket.recv())
+        """The next message from a rank's current process. Messages of retired generations (a dead
+        process's outputs still queued in the socket) are dropped here; an EngineReady marks its
+        rank ready before it is returned."""
+        while True:
+            msg = self._decoder.decode(await self._output_socket.recv())
+            r = self.ranks[msg.rank]
+            if msg.generation != r.generation or r.state in (RankState.DEAD, RankState.GIVEN_UP):
+                continue
+            if isinstance(msg, EngineReady):
+                self._on_ready(msg)
+            return msg
 
-    # ---- liveness and shutdown --------------------------------------------------------------
-    def dead_rank(self) -> RankHandle | None:
-        """A local rank whose process is gone (remote ranks report EngineFailed themselves, and a
-        lockstep peer of a vanished remote rank fails its next collective)."""
+    # ---- liveness and recovery --------------------------------------------------------------
+    def newly_dead(self) -> list[RankHandle]:
+        """Local ranks whose current process is gone, not yet retired (remote ranks report
+        EngineFailed themselves, and a lockstep peer of a vanished remote rank fails its next
+        collective)."""
+        return [
+            r
+            for r in self.ranks
+            if r.process is not None
+            and r.state in (RankState.STARTING, RankState.READY, RankState.RESPAWNING)
+            and not r.process.is_alive()
+        ]
+
+    def overdue(self, now: float) -> list[RankHandle]:
+        """Replacement processes that did not report ready within the start-up timeout."""
+        limit = self.config.startup_timeout_s
+        return [r for r in self.ranks if r.state is RankState.RESPAWNING and now - r.started_at > limit]
+
+    def retire(self, rank: int, state: RankState = RankState.DEAD) -> list[str]:
+        """Take a dead (or failed) rank out of service: its process killed if still running and
+        reaped, its input socket closed (whatever was queued for it is dropped), its generation
+        retired (late messages from it are ignored), and the ids of the engine requests it held
+        returned for replay."""
+        r = self.ranks[rank]
+        r.state = state
+        r.ready = None
+        if r.process is not None:
+            if r.process.is_alive():
+                r.process.kill()  # ours; e.g. a lockstep survivor whose group is broken
+            r.process.join(5)
+        r.input_socket.close(linger=0)
+        held = [req_id for req_id, h in self._req_rank.items() if h is r]
+        for req_id in held:
+            del self._req_rank[req_id]
+        r.num_unfinished = 0
+        return held
+
+    def give_up(self, rank: int) -> None:
+        self.ranks[rank].state = RankState.GIVEN_UP
+
+    def respawn(self, rank: int) -> None:
+        """Start a replacement process for a retired local rank (next generation, new input socket).
+        Lockstep ranks are restarted all together instead (`reform`)."""
+        r = self.ranks[rank]
+        assert r.state is RankState.DEAD and r.process is not None, f"rank {rank} is {r.state.value}"
+        r.generation += 1
+        address = f"ipc://{self._ipc_dir}/input-{rank}-g{r.generation}"
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        r.input_socket = sock
+        r.started_at = time.monotonic()
+        r.process = self._spawn(rank, address, r.generation)
+        r.state = RankState.RESPAWNING
+        logger.info("engine rank %d: replacement process started (pid %d, generation %d)", rank, r.process.pid,
+                    r.generation)
+
+    def reform(self) -> None:
+        """Re-form a lockstep group: every rank restarted (fresh processes, a fresh torch.distributed
+        group on a new rendezvous port), so the new group starts from a clean state everywhere."""
         for r in self.ranks:
-            if r.process is not None and not r.process.is_alive():
-                return r
-        return None
+            if r.state is not RankState.DEAD:
+                self.retire(r.rank)
+        self._addresses = dataclasses.replace(self._addresses, dist_init_method=f"tcp://127.0.0.1:{free_port()}")
+        logger.info("re-forming the lockstep group of %d ranks at %s", len(self.ranks), self._addresses.dist_init_method)
+        for r in self.ranks:
+            self.respawn(r.rank)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         logger.info("shutting down %d engine rank(s)", len(self.ranks))
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        for r in self.ranks:
-            if r.process is None or r.process.is_alive():
-                try:
-                    r.input_socket.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+        live = [r for r in self.ranks if r.state not in (RankState.DEAD, RankState.GIVEN_UP)]
+        for r in live:
+            if r.state is RankState.RESPAWNING and r.process.is_alive():
+                r.process.terminate()  # still loading, holds no work (and may not be connected yet)
+            elif r.process is None or r.process.is_alive():
+                _send_nowait(r.input_socket, self._encoder.encode(Shutdown()))
         deadline = time.monotonic() + timeout_s
         for r in self.ranks:
             if r.process is None:
@@ -302,10 +461,10 @@ class EngineCoreClient:
                 r.process.join(2)
             if r.process.is_alive():
                 r.process.kill()
-                r.process.join(1)
+            r.process.join(1)
         if any(r.process is None for r in self.ranks):
             await asyncio.sleep(0.2)  # let Shutdown reach remote ranks before the sockets close
-        for r in self.ranks:
+        for r in live:
             r.input_socket.close()
         self._output_socket.close()
         self._ctx.term()
@@ -318,6 +477,16 @@ class EngineCoreClient:
             os.rmdir(self._ipc_dir)
         except OSError:
             pass
+
+
+def _send_nowait(sock: zmq.asyncio.Socket, data: bytes) -> None:
+    """Send without waiting; a message that cannot go now (no peer connected yet, queue full) is
+    dropped. (zmq.asyncio reports that through the returned future, which is consumed here.)"""
+    try:
+        future = sock.send(data, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        return
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def run_headless(

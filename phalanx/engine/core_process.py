@@ -18,6 +18,12 @@ rank connects a PULL to (its *input*); all ranks PUSH into one PULL socket the c
                      RequestFailed(rank, req_id, message)  AddRequest rejected by the engine
                      EngineFailed(rank, message)           start-up or step error; the process exits(1)
 
+Every rank -> client message also carries the rank's `generation`: 0 for the first process of a
+rank, one more for each process that replaced a dead one (the API server respawns ranks,
+docs/dp-protocol.md "Failure model and recovery"). The client drops messages of a generation it
+has retired, so a dead process's last outputs, still queued in the socket, cannot reach requests
+that were already replayed elsewhere.
+
 The loop, once per iteration: poll the input socket (a short timeout when idle so shutdown, parent
 death and new work are noticed quickly; no wait at all while requests are in flight), drain every
 pending message, take one engine step if there is work, send outputs.
@@ -45,6 +51,7 @@ import msgspec
 import zmq
 
 from phalanx.core.outputs import EngineCoreOutput, SchedulerStats
+from phalanx.engine import fault_injection
 from phalanx.engine.engine_core import EngineCoreRequest
 
 logger = logging.getLogger("phalanx.engine")
@@ -79,23 +86,28 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
+    lockstep: bool = False  # this rank runs the lockstep loop (MoE expert parallel, --dp-lockstep)
+    generation: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
     rank: int
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats | None = None
+    generation: int = 0
 
 
 class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
     rank: int
     req_id: str
     message: str
+    generation: int = 0
 
 
 class EngineFailed(msgspec.Struct, tag="dead", array_like=True):
     rank: int
     message: str
+    generation: int = 0
 
 
 EngineMessage = EngineReady | EngineOutputs | RequestFailed | EngineFailed
@@ -118,6 +130,7 @@ class EngineProcessConfig(msgspec.Struct):
     # Ranks on another node than the API server (``--headless``) cannot watch its process: once the
     # head has been heard from, silence (no message, not even a Ping) this long means it is gone.
     head_timeout_s: float | None = None
+    generation: int = 0  # which process of this rank this is (0 first, +1 per respawn)
 
 
 HEARTBEAT_INTERVAL_S = 1.0  # the head pings remote ranks this often
@@ -171,8 +184,9 @@ def run_engine_core(config_bytes: bytes) -> None:
     try:
         delay = step_delay_s()
         engine = _build_engine(cfg)
+        kill_switch = fault_injection.arm(engine, cfg.rank, cfg.generation)
     except Exception as e:  # noqa: BLE001 - start-up errors (bad path, bad config, OOM) are reported, not raised
-        out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
+        out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}", cfg.generation)))
         code = 1
     else:
         out_sock.send(
@@ -183,14 +197,16 @@ def run_engine_core(config_bytes: bytes) -> None:
                     engine.runner.num_blocks,
                     engine.max_model_len,
                     engine.cfg.model.vocab_size,
+                    engine.lockstep,
+                    cfg.generation,
                 )
             )
         )
         try:
-            EngineCoreLoop(engine, cfg, in_sock, out_sock, step_delay=delay).run()
+            EngineCoreLoop(engine, cfg, in_sock, out_sock, step_delay=delay, kill_switch=kill_switch).run()
         except Exception as e:  # noqa: BLE001 - any step error kills this rank; the client must hear why
             logger.error("engine core failed:\n%s", traceback.format_exc())
-            out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}")))
+            out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}", cfg.generation)))
             code = 1
     in_sock.close()
     out_sock.close()
@@ -241,8 +257,10 @@ class EngineCoreLoop:
         in_sock: zmq.Socket,
         out_sock: zmq.Socket,
         step_delay: float = 0.0,
+        kill_switch: fault_injection.KillSwitch | None = None,
     ) -> None:
         self.engine = engine
+        self.kill_switch = kill_switch  # PHALANX_DEBUG_KILL_AT (tests): dies at a chosen point
         self.cfg = cfg
         self.rank = cfg.rank
         self.in_sock = in_sock
@@ -274,6 +292,8 @@ class EngineCoreLoop:
                 return
             outputs: list[EngineCoreOutput] = []
             if self.engine.has_unfinished_requests():
+                if self.kill_switch is not None:
+                    self.kill_switch.at_step()
                 outputs = self.engine.step()
                 self.stats_dirty = True
                 if self.step_delay_s:
@@ -296,6 +316,8 @@ class EngineCoreLoop:
                 shutdown = True
             elif self._head_silent():
                 shutdown = True
+            if self.kill_switch is not None:
+                self.kill_switch.at_step()
             outputs, plan = self.engine.step_lockstep(shutdown=shutdown)
             if self.step_delay_s and plan.run_forward:
                 time.sleep(self.step_delay_s)
@@ -333,7 +355,7 @@ class EngineCoreLoop:
                     self.engine.add_request(msg.request)
                 except ValueError as e:
                     self.out_sock.send(
-                        self.encoder.encode(RequestFailed(self.rank, msg.request.req_id, str(e)))
+                        self.encoder.encode(RequestFailed(self.rank, msg.request.req_id, str(e), self.cfg.generation))
                     )
             elif isinstance(msg, AbortRequests):
                 aborted.extend(self.engine.abort_requests(msg.req_ids))
@@ -356,4 +378,4 @@ class EngineCoreLoop:
             self.stats_dirty = False
             self.last_stats_time = now
         if outputs or stats is not None:
-            self.out_sock.send(self.encoder.encode(EngineOutputs(self.rank, outputs, stats)))
+            self.out_sock.send(self.encoder.encode(EngineOutputs(self.rank, outputs, stats, self.cfg.generation)))

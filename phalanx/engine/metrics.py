@@ -4,8 +4,11 @@ Owns: a private `CollectorRegistry` with vLLM's metric names under the ``phalanx
 from two sources -- per-request events seen by the API server (finish reasons, token counts,
 time to first token, inter-token latency, end-to-end latency) and the `SchedulerStats` each engine
 rank reports (running / waiting, KV-cache usage, prefix-cache and speculative-decoding counters,
-which are cumulative per rank and turned into counter increments here) -- and `StatLogger`,
-which summarises the same figures every few seconds while there is work.
+which are cumulative per rank and turned into counter increments here; a rank's replacement
+process starts its counters from zero: `on_rank_restart`) -- the recovery figures (rank deaths,
+restarts, lockstep group re-formations, replayed requests, ranks given up, ranks serving, the time
+from a rank's death to the first token of a request it held), and `StatLogger`, which summarises the
+same figures every few seconds while there is work.
 Does not own: collecting the stats inside the engine (``core.scheduler``), HTTP.
 """
 
@@ -64,6 +67,7 @@ _ITL_BUCKETS = (
     5.0,
     10.0,
 )
+_RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _E2E_BUCKETS = (
     0.3,
     0.5,
@@ -160,6 +164,35 @@ class ServingMetrics:
             e + ["position"],
             registry=r,
         )
+        self.rank_deaths = Counter(
+            "phalanx:engine_rank_deaths", "Engine rank processes that died or failed while serving.", e, registry=r
+        )
+        self.rank_restarts = Counter(
+            "phalanx:engine_rank_restarts", "Replacement engine rank processes started.", e, registry=r
+        )
+        self.group_reformations = Counter(
+            "phalanx:engine_group_reformations", "Lockstep groups re-formed after a rank died.", m, registry=r
+        )
+        self.replayed_requests = Counter(
+            "phalanx:replayed_requests",
+            "Engine requests (samples) resubmitted to another rank, with the tokens produced so far, after "
+            "their rank died.",
+            m,
+            registry=r,
+        )
+        self.ranks_given_up = Gauge(
+            "phalanx:engine_ranks_given_up", "Ranks that died more often than the restart budget allows.", m,
+            registry=r,
+        )
+        self.rank_up = Gauge("phalanx:engine_rank_up", "1 while the rank serves, 0 otherwise.", e, registry=r)
+        self.recovery_time = Histogram(
+            "phalanx:engine_recovery_seconds",
+            "From a rank's death (as noticed) to the first token of a request it held, produced by another "
+            "rank or by the re-formed group.",
+            m,
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
         self._last: dict[int, _RankCounters] = {}
         self.latest_stats: dict[int, SchedulerStats] = {}
         self.total_prompt_tokens = 0
@@ -189,7 +222,11 @@ class ServingMetrics:
         self.e2e.labels(self.model_name).observe(e2e)
 
     # ---- engine stats -----------------------------------------------------------------------
-    def on_stats(self, rank: int, s: SchedulerStats) -> None:
+    def on_stats(self, rank: int, s: SchedulerStats, restart: bool = False) -> None:
+        """A rank's latest scheduler stats. `restart`: its process was replaced, so its cumulative
+        counters start again from `s` (zeros) instead of being compared with the old process's."""
+        if restart:
+            self._last[rank] = _RankCounters()
         self.latest_stats[rank] = s
         labels = (self.model_name, str(rank))
         self.num_running.labels(*labels).set(s.num_running)
@@ -214,6 +251,35 @@ class ServingMetrics:
             list(s.spec_accepted_per_pos),
             s.num_preemptions,
         )
+
+    # ---- recovery ---------------------------------------------------------------------------
+    def on_rank_up(self, rank: int, up: bool) -> None:
+        self.rank_up.labels(self.model_name, str(rank)).set(1 if up else 0)
+
+    def on_rank_death(self, rank: int) -> None:
+        self.rank_deaths.labels(self.model_name, str(rank)).inc()
+        self.on_rank_down(rank)
+
+    def on_rank_down(self, rank: int) -> None:
+        """The rank's process is gone (dead, or taken down with its lockstep group): nothing runs or
+        waits there and it holds no KV blocks."""
+        self.on_rank_up(rank, False)
+        self.on_stats(rank, SchedulerStats(), restart=True)
+
+    def on_rank_restart(self, rank: int) -> None:
+        self.rank_restarts.labels(self.model_name, str(rank)).inc()
+
+    def on_group_reformed(self) -> None:
+        self.group_reformations.labels(self.model_name).inc()
+
+    def on_replayed(self, num_requests: int) -> None:
+        self.replayed_requests.labels(self.model_name).inc(num_requests)
+
+    def on_given_up(self, num_ranks: int) -> None:
+        self.ranks_given_up.labels(self.model_name).set(num_ranks)
+
+    def on_recovered(self, seconds: float) -> None:
+        self.recovery_time.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -274,8 +340,9 @@ class StatLogger:
             return None
         dt = max(now.time - prev.time, 1e-9)
         kv = max((s.kv_cache_usage for s in stats), default=0.0)
-        queries = now.prefix_queries - prev.prefix_queries
-        hits = now.prefix_hits - prev.prefix_hits
+        # A replaced rank's counters restart from zero: an interval with a restart can go negative.
+        queries = max(now.prefix_queries - prev.prefix_queries, 0)
+        hits = max(now.prefix_hits - prev.prefix_hits, 0)
         line = (
             f"prompt throughput: {(now.prompt_tokens - prev.prompt_tokens) / dt:.1f} tok/s, "
             f"generation throughput: {(now.generation_tokens - prev.generation_tokens) / dt:.1f} tok/s, "

@@ -1,9 +1,13 @@
 """Front-end request state: token ids -> text, stop strings, logprobs, `n` > 1 fan-out.
 
 Owns: per-request front-end state (incremental detokenizer, stop-string checker, accumulated
-tokens / text / logprobs), turning `EngineCoreOutput`s into cumulative `RequestOutput`s, and
-naming the engine requests that must be aborted because a stop string ended them.
-Does not own: the engine (callers forward `abort_ids`), HTTP or streaming formats.
+tokens / text / logprobs), turning `EngineCoreOutput`s into cumulative `RequestOutput`s, naming
+the engine requests that must be aborted because a stop string ended them, and forming the
+`Replay` of an unfinished sample whose engine rank died: the same prompt and parameters plus the
+output tokens received so far, which the engine continues (`EngineCoreRequest.output_token_ids`).
+The detokenizer and stop-string state stay here, so a replayed sample's text goes on where it
+stood: nothing repeated, nothing missing.
+Does not own: the engine (callers forward `abort_ids` and send replays), HTTP or streaming formats.
 
 Used by the offline `LLM` and by the API server alike, so both produce identical text.
 A parent request with `n` samples becomes n engine requests "i_<parent id>" (i = 0..n-1); a
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +55,10 @@ class _Child:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    # Replays: the engine's speculative counters restart at 0 on the rank that continues a sample;
+    # these are the counts reached before (drafts, accepted, verify steps).
+    num_replays: int = 0
+    spec_base: tuple[int, int, int] = (0, 0, 0)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -74,6 +83,7 @@ class _Parent:
     children: list[_Child]
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    num_cached_tokens_known: bool = False  # from the first engine that ran it (replays hit more)
     # wall-clock times (time.time()), as vLLM's RequestMetrics: arrival, first / last token, finish
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -92,6 +102,16 @@ class _Parent:
             num_cached_tokens=self.num_cached_tokens,
             metrics=dict(self.metrics),
         )
+
+
+@dataclass
+class Replay:
+    """An unfinished sample to send to another engine rank: it continues from `output_token_ids`."""
+
+    engine_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int]
 
 
 @dataclass
@@ -157,6 +177,40 @@ class OutputProcessor:
                 self._child_to_parent.pop(child_request_id(request_id, c.index, n), None)
         return ids
 
+    def replays(self, engine_ids: Iterable[str]) -> dict[str, list[Replay]]:
+        """Replays of the unfinished samples among `engine_ids` (the requests a dead rank held),
+        grouped by parent request id (a parent's samples go to one rank together).
+
+        Each keeps its parameters (its own seed: the engine advances the generator past the
+        tokens already drawn) and carries the tokens received so far. Prompt logprobs are asked
+        for again only when they had not all arrived (they are then collected afresh); a sample
+        that already has output has them all."""
+        groups: dict[str, list[Replay]] = {}
+        for engine_id in engine_ids:
+            entry = self._child_to_parent.get(engine_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue
+            params = child.params
+            if params.prompt_logprobs is not None:
+                lps = parent.prompt_logprobs
+                if child.index == 0 and lps is not None and len(lps) < len(parent.prompt_token_ids):
+                    parent.prompt_logprobs = []
+                else:
+                    params = params.clone(prompt_logprobs=None)
+            child.num_replays += 1
+            child.spec_base = (child.num_draft_tokens, child.num_accepted_tokens, child.num_verify_steps)
+            replay = Replay(engine_id, parent.prompt_token_ids, params, list(child.token_ids))
+            groups.setdefault(parent.request_id, []).append(replay)
+        return groups
+
+    def num_replays(self, request_id: str) -> int:
+        """How many times the most replayed sample of a parent was replayed."""
+        parent = self._parents.get(request_id)
+        return max((c.num_replays for c in parent.children), default=0) if parent is not None else 0
+
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         changed: dict[str, _Parent] = {}
         abort_ids: list[str] = []
@@ -187,12 +241,15 @@ class OutputProcessor:
     def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput) -> bool:
         """Fold one engine output into the child; True if a stop string ended it early."""
         if child.index == 0:
-            parent.num_cached_tokens = out.num_cached_tokens
+            if not parent.num_cached_tokens_known:
+                parent.num_cached_tokens = out.num_cached_tokens
+                parent.num_cached_tokens_known = True
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 parent.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
-        child.num_draft_tokens = out.num_draft_tokens
-        child.num_accepted_tokens = out.num_accepted_tokens
-        child.num_verify_steps = out.num_verify_steps
+        drafts, accepted, steps = child.spec_base
+        child.num_draft_tokens = drafts + out.num_draft_tokens
+        child.num_accepted_tokens = accepted + out.num_accepted_tokens
+        child.num_verify_steps = steps + out.num_verify_steps
         child.token_ids.extend(out.new_token_ids)
         if child.logprobs is not None and out.new_logprobs:
             for entry in self._logprob_dicts(out.new_logprobs):

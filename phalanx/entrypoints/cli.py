@@ -165,6 +165,25 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run only this node's engine ranks (no API server); they connect to --data-parallel-address",
     )
+    rec = p.add_argument_group("recovery from engine rank failures (see docs/dp-protocol.md)")
+    rec.add_argument(
+        "--no-recover",
+        action="store_true",
+        help="fail fast: a rank's death fails every in-flight request and the server exits 1 (default: the "
+        "rank is restarted, a lockstep group re-formed, and its requests replayed elsewhere)",
+    )
+    rec.add_argument(
+        "--max-rank-restarts",
+        type=int,
+        default=3,
+        help="restarts per rank (lockstep: of the whole group) within 10 minutes before it is given up",
+    )
+    rec.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request may wait for a serving rank while ranks restart, before a 503",
+    )
     dp.add_argument(
         "--data-parallel-backend",
         default="mp",
@@ -267,6 +286,19 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
     }
     if speculative is not None:
         engine_kwargs["speculative_config"] = speculative
+    from phalanx.engine.recovery import RecoveryConfig
+
+    try:
+        recovery = RecoveryConfig(
+            enabled=not args.no_recover,
+            max_restarts=args.max_rank_restarts,
+            request_timeout_s=args.recovery_timeout,
+        )
+    except ValueError as e:
+        from phalanx.entrypoints.serve import ConfigError
+
+        raise ConfigError(str(e).replace("max_restarts", "--max-rank-restarts").replace(
+            "request_timeout_s", "--recovery-timeout")) from e
     return ServeConfig(
         engine_args=engine_args_from(**engine_kwargs),
         served_model_name=args.served_model_name or model,
@@ -282,6 +314,7 @@ def serve_config_from_args(args: argparse.Namespace):  # -> ServeConfig (importe
         headless=args.headless,
         num_threads=args.num_threads,
         tokenizer=args.tokenizer,
+        recovery=recovery,
     )
 
 

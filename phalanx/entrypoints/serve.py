@@ -1,8 +1,11 @@
 """`phalanx serve`: validate the configuration, start the engine ranks, run uvicorn, clean up.
 
 Owns: the server's lifecycle and exit code -- 0 after a normal shutdown (Ctrl-C / SIGTERM), 1 when
-an engine rank fails to start or dies while serving (in-flight requests then get a 5xx, `/health`
-turns 503 and uvicorn is told to exit), 2 for a bad configuration found before anything starts.
+an engine rank fails to start, or dies while serving and cannot be recovered from (recovery off
+with `--no-recover`, ranks on other nodes, or every rank past its restart budget: in-flight
+requests then get a 5xx, `/health` turns 503 and uvicorn is told to exit), 2 for a bad
+configuration found before anything starts. A rank that dies while recovery is on is replaced and
+its requests replayed (``entrypoints.async_llm``); the server keeps serving.
 Does not own: command-line parsing (``cli``), routes (``openai.server``).
 """
 
@@ -25,6 +28,7 @@ from phalanx.checkpoint import resolve_model_path
 from phalanx.engine.args import EngineArgs
 from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, EngineStartupError
 from phalanx.engine.metrics import ServingMetrics
+from phalanx.engine.recovery import RecoveryConfig
 from phalanx.engine.tokenizer import eos_token_ids_of, load_tokenizer
 from phalanx.entrypoints.async_llm import AsyncLLM
 from phalanx.entrypoints.openai.server import build_app, make_state
@@ -74,6 +78,7 @@ class ServeConfig:
     headless: bool = False
     num_threads: int | None = None
     tokenizer: str | None = None  # tokenizer checkpoint (default: the model's own)
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
 
 
 def with_tokenizer(cfg: ServeConfig) -> tuple[EngineArgs, Any]:
@@ -155,7 +160,7 @@ async def serve(cfg: ServeConfig) -> int:
         # A short grace period: in-flight requests get their 5xx and health checks see 503 first.
         asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, stop)
 
-    engine = AsyncLLM(client, tokenizer, metrics, on_dead=on_dead)
+    engine = AsyncLLM(client, tokenizer, metrics, on_dead=on_dead, recovery=cfg.recovery)
     app = build_app(make_state(engine, tokenizer, metrics, cfg.served_model_name, model_path, cfg.api_key))
     server = _Server(
         uvicorn.Config(

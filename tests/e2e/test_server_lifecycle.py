@@ -222,7 +222,7 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
     other rank down, and the server exits non-zero within seconds (never a hang)."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2})
     # 10 ms per step: the 8 x 500-token request below runs >= 5 s, and the rank dies once it is running.
-    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "512",
+    srv = start_server(tiny_model, tmp_path / "dp.log", "-dp", "2", "--max-model-len", "512", "--no-recover",
                        "--speculative-config", spec, env={STEP_DELAY_ENV: "10"})  # fmt: skip
     try:
         pids = srv.engine_pids()

@@ -6,7 +6,7 @@ Owns: routes (`/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`
 length), mapping every error to an OpenAI-style body (`{"error": {"message", "type", "param",
 "code"}}`: 400 invalid values / malformed JSON / unsupported fields / prompts over the context length
 / sizes over the limits, 401 bad key, 404 unknown model or route, 413 body too large, 503 engine
-gone).
+gone or, while ranks restart, no rank serving: `/health` answers 200 while at least one rank serves).
 Does not own: the request/response formats (``protocol``, ``serving``), the engine front end
 (``entrypoints.async_llm``), process start-up and shutdown (``entrypoints.serve``).
 """
@@ -254,10 +254,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine.is_healthy:
+        if state.engine.is_healthy:  # at least one rank serves
             return Response(status_code=200)
-        message = state.engine.dead_message or "an engine process is not running"
-        return _error_response(APIError(503, message, "server_error", code="engine_dead"))
+        code = "engine_dead" if state.engine.dead_message is not None else "engine_unavailable"
+        return _error_response(APIError(503, state.engine.unavailable_reason(), "server_error", code=code))
 
     @app.get("/metrics")
     async def metrics() -> Response:

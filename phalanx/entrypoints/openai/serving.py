@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from phalanx.engine.core_client import EngineDeadError
+from phalanx.engine.core_client import EngineDeadError, EngineUnavailableError
 from phalanx.entrypoints.async_llm import AsyncLLM, RequestRejectedError
 from phalanx.entrypoints.openai.prompts import Prompt, PromptPreparer
 from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
@@ -56,6 +56,8 @@ class APIError(Exception):
 def engine_error(e: Exception) -> APIError:
     if isinstance(e, RequestRejectedError):
         return APIError(400, str(e))
+    if isinstance(e, EngineUnavailableError):  # ranks restarting; the server goes on
+        return APIError(503, f"the engine is not available: {e}", "server_error", code="engine_unavailable")
     return APIError(503, f"the engine is not available: {e}", "server_error", code="engine_dead")
 
 

@@ -36,6 +36,15 @@ from phalanx.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from phalanx.entrypoints.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+    route_responses,
+    without_validation_errors,
+)
 from phalanx.entrypoints.openai.serving import APIError, OpenAIServing, engine_error
 
 logger = logging.getLogger("phalanx.server")
@@ -93,6 +102,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = errors[0]
     field = _field_path(err.get("loc", ())) or None
     if err.get("type") == "missing":
+        if field is None:
+            return "missing request body: send a JSON object", None
         return f"missing required field {field!r}", field
     where = f"{field}: " if field else ""
     return f"{where}{err.get('msg')} (got {err.get('input')!r})"[:2000], field
@@ -176,6 +187,14 @@ class BodySizeLimitMiddleware:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="phalanx", version=phalanx.__version__)
     serving = OpenAIServing(state.engine, state.tokenizer, state.served_model_name)
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = without_validation_errors(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimitMiddleware, limit=max_request_bytes(state.engine.max_model_len))
 
     # ---- errors -----------------------------------------------------------------------------
@@ -224,19 +243,21 @@ def build_app(state: ServerState) -> FastAPI:
             raise EngineDeadError(state.engine.dead_message)
 
     # ---- routes -----------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    generation = (400, 401, 404, 413, 503)
+
+    @app.post("/v1/chat/completions", responses=route_responses(ChatCompletionResponse, generation, stream=True))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         check_model(req.model)
         check_alive()
         return await serving.chat(req, raw)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=route_responses(CompletionResponse, generation, stream=True))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         check_model(req.model)
         check_alive()
         return await serving.completion(req, raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=route_responses(ModelList, (401,)))
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -252,7 +273,8 @@ def build_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "At least one engine rank serves"},
+                                   **route_responses(None, (503,))})
     async def health() -> Response:
         if state.engine.is_healthy:  # at least one rank serves
             return Response(status_code=200)
@@ -267,7 +289,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": phalanx.__version__}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=route_responses(TokenizeResponse, (400, 404, 413)))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         check_model(req.model)
         if state.tokenizer is None:
@@ -282,7 +304,7 @@ def build_app(state: ServerState) -> FastAPI:
         ids = prompt.token_ids
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=route_responses(DetokenizeResponse, (400, 404, 413)))
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         check_model(req.model)
         if state.tokenizer is None:

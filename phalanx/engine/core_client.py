@@ -179,6 +179,7 @@ class EngineCoreClient:
         self._pending: deque[_Pending] = deque()
         self._threads = 1
         self.lockstep = False  # the ranks run the lockstep loop (known once they are ready)
+        self._first_ready: EngineReady | None = None
 
     # ---- start-up ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -253,21 +254,26 @@ class EngineCoreClient:
                 )
 
     def _on_ready(self, msg: EngineReady) -> None:
+        if self._first_ready is None:
+            self._first_ready = msg
         r = self.ranks[msg.rank]
         r.ready = msg
         r.state = RankState.READY
-        again = f" again after {time.monotonic() - r.started_at:.1f} s (generation {msg.generation})" if msg.generation else ""
+        took = time.monotonic() - r.started_at  # process start to ready: the model's load time
+        again = f" again after {took:.1f} s (generation {msg.generation})" if msg.generation else f" in {took:.1f} s"
         logger.info("engine rank %d ready (pid %d, %d KV blocks)%s", msg.rank, msg.pid, msg.num_kv_blocks, again)
 
     @property
     def max_model_len(self) -> int:
-        assert self.ranks[0].ready is not None
-        return self.ranks[0].ready.max_model_len
+        """Every rank loads the same model: the first ready report holds for all of them, also while
+        rank 0 restarts."""
+        assert self._first_ready is not None, "no engine rank has started yet"
+        return self._first_ready.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        assert self.ranks[0].ready is not None
-        return self.ranks[0].ready.vocab_size
+        assert self._first_ready is not None, "no engine rank has started yet"
+        return self._first_ready.vocab_size
 
     # ---- requests ---------------------------------------------------------------------------
     def serving_ranks(self) -> list[RankHandle]:

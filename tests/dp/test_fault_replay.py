@@ -171,8 +171,11 @@ def test_dense_ranks_with_eagle_survive_kills_in_prefill_drafter_and_idle(tmp_pa
     """Rank 0 dies at its 4th step (of 32 tokens: its 8 requests of ~125 prompt tokens are still in
     prefill); its requests move to rank 1, which later dies inside the EAGLE drafter (step 40: the
     16 requests' prefills alone take >= 60 steps, so some decode and some still prefill); then rank
-    1's replacement is killed while idle and a second batch arrives at once. Every text equals the
-    undisturbed run."""
+    0's replacement is killed while idle and a second batch arrives while it restarts. Every text
+    equals the undisturbed run.
+
+    Regression: requests that arrived while rank 0 was down got a 500 (the server read the context
+    length from rank 0's ready report, which a dead rank no longer has)."""
     prompts = _prompts(16, seed=1, long=True)
     batch1 = _requests(prompts, seed=1, max_tokens=40)
     batch2 = _requests(_prompts(8, seed=2, long=False), seed=2, max_tokens=24)
@@ -191,10 +194,10 @@ def test_dense_ranks_with_eagle_survive_kills_in_prefill_drafter_and_idle(tmp_pa
         _idle_and_clean(base)
 
         _both_ready(base)
-        os.kill(_pid_of(server, 1), signal.SIGKILL)  # idle: nothing in flight
-        _assert_same(asyncio.run(_run(base, batch2)), ref2, "idle kill")
-        wait_for(lambda: _value(base, "phalanx:engine_rank_deaths_total", engine="1") == 2, what="the death seen")
-        assert httpx.get(f"{base}/health").status_code == 200  # rank 0 serves while rank 1 restarts
+        os.kill(_pid_of(server, 0), signal.SIGKILL)  # idle: nothing in flight
+        wait_for(lambda: _value(base, "phalanx:engine_rank_deaths_total", engine="0") == 2, what="the death seen")
+        assert httpx.get(f"{base}/health").status_code == 200  # rank 1 serves while rank 0 restarts
+        _assert_same(asyncio.run(_run(base, batch2)), ref2, "requests while rank 0 restarts")
         _idle_and_clean(base)
         assert ") again after" in server.log() and "recovered from the failure of engine rank" in server.log()
     finally:

@@ -2,7 +2,8 @@
 path ``PHALANX_CPU_ISA`` selects) against oneDNN's packed linear, side by side in one process.
 
     python benchmarks/invariance.py MODEL [MODEL ...] [--threads 2] [--paths auto,onednn]
-                                    [--sections invariance,kernels,e2e] [--repeats 3]
+                                    [--sections invariance,kernels,e2e,memory] [--repeats 3]
+                                    [--clock wall|cpu]
 
 Invariance (one table per path): the LLM's 16 prompts, 48 greedy tokens each; each of the first 8
 requests run alone against the same request (a) in the batch of 16, (b) in that batch with n-gram
@@ -18,7 +19,14 @@ prefill tokens/s (16 prompts of 256 tokens, one output token each), decode token
 (one request, 128 tokens after its first) and 16 (16 requests, 64 tokens after their first); decode
 time is a run's time minus the time of the same requests with one output token.
 
+Memory: for each path, a fresh process loads the model (``kv_cache_space=0.05``) and reports the
+bytes of the model's tensors (packed weights included, each counted once) and its resident set.
+
 Paths: auto (the best GEMM path this CPU has), avx512_bf16, avx2, onednn.
+
+Clock: wall (default) or cpu — the process's CPU time, which on a machine shared with other work
+measures the work itself rather than the waits for a core; meaningful with --threads 1 (with more
+threads it also counts the time OpenMP threads spin at barriers).
 """
 
 from __future__ import annotations
@@ -26,11 +34,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+CLOCK = time.perf_counter  # or time.process_time (--clock cpu)
 
 PROMPTS = [
     "The history of the printing press begins",
@@ -58,7 +69,7 @@ def _llm(model: str, path: str, **kwargs: Any):  # noqa: ANN202
 
     os.environ["PHALANX_CPU_ISA"] = path
     try:
-        return LLM(model, dtype="bfloat16", max_model_len=1024, **kwargs)
+        return LLM(model, dtype="bfloat16", **{"max_model_len": 1024, **kwargs})
     finally:
         os.environ.pop("PHALANX_CPU_ISA", None)
 
@@ -112,9 +123,9 @@ def _time_us(fn, calls: int = 25) -> float:  # noqa: ANN001
     fn()
     times = []
     for _ in range(calls):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return min(times) * 1e6
 
 
@@ -123,7 +134,8 @@ def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
 
     module = cpu.load(required=True)
     totals: dict[int, list[float]] = {}
-    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, us per call (oneDNN / GEMM = ratio)\n")
+    clock = "CPU time" if CLOCK is time.process_time else "wall clock"
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, us per call (oneDNN / GEMM = ratio)\n")
     print("| layer (N x K) | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     for name, n, k in model_shapes(model):
@@ -152,9 +164,9 @@ def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: ANN0
     from phalanx import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def e2e_costs(model: str, paths: list[str], repeats: int) -> None:
@@ -171,7 +183,8 @@ def e2e_costs(model: str, paths: list[str], repeats: int) -> None:
             results[p]["c1"].append(128 / max(_run(llm, short[:1], 129) - _run(llm, short[:1], 1), 1e-9))
             results[p]["c16"].append(16 * 64 / max(_run(llm, short, 65) - _run(llm, short, 1), 1e-9))
     base = paths[-1]
-    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, medians of {repeats} "
+    clock = "CPU time" if CLOCK is time.process_time else "wall clock"
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, medians of {repeats} "
           f"(ratio: against {path_name(base)})\n")
     print("| GEMM | prefill tok/s | decode c=1 tok/s | decode c=16 tok/s |")
     print("|---|---|---|---|")
@@ -183,7 +196,43 @@ def e2e_costs(model: str, paths: list[str], repeats: int) -> None:
         print(f"| {path_name(p)} | " + " | ".join(cells) + " |")
 
 
+# ---- memory -----------------------------------------------------------------------------------------
+def _memory_child(model: str, path: str) -> None:
+    """Runs in a fresh process: load, then print 'tensors MiB, RSS MB'."""
+    llm = _llm(model, path, enable_prefix_caching=False, kv_cache_space=0.05, max_model_len=256)
+    seen, total = set(), 0
+    for m in llm.engine.runner.model.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        tensors += [t for t in (getattr(m, "packed", None),) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            try:
+                key = t.data_ptr()
+            except RuntimeError:  # oneDNN's packed weight has no plain storage
+                key = id(t)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
+    print(f"{total / 2**20:.0f} {rss:.0f}")
+
+
+def memory(models: list[str], paths: list[str]) -> None:
+    import subprocess
+
+    print("\nMemory after load (kv_cache_space=0.05)\n")
+    print("| model | linears | model tensors MiB | resident set MB |")
+    print("|---|---|---|---|")
+    for model in models:
+        for p in paths:
+            out = subprocess.run([sys.executable, __file__, "--memory-child", model, p], capture_output=True,
+                                 text=True, check=True).stdout.split()
+            print(f"| {Path(model).name} | {path_name(p)} | {out[-2]} | {out[-1]} |", flush=True)
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--memory-child":
+        _memory_child(sys.argv[2], sys.argv[3])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--threads", type=int, default=2)
@@ -191,7 +240,10 @@ def main() -> None:
     ap.add_argument("--sections", default="invariance,kernels,e2e")
     ap.add_argument("--rows", default="1,4,16,64,128,512,2048")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     paths, sections = args.paths.split(","), args.sections.split(",")
     from phalanx.ops import cpu
@@ -223,6 +275,8 @@ def main() -> None:
     if "e2e" in sections:
         for model in args.models:
             e2e_costs(model, paths, args.repeats)
+    if "memory" in sections:
+        memory(args.models, paths)
 
 
 if __name__ == "__main__":

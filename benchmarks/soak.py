@@ -181,9 +181,9 @@ def _current_pid(log: Path, rank: int) -> int:
     return int(re.findall(rf"engine rank {rank} ready \(pid (\d+)", log.read_text())[-1])
 
 
-def _ranks_up(base_url: str) -> float:
+def _metric_sum(base_url: str, name: str) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("phalanx:engine_rank_up"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 async def _faults(soak: Soak, log: Path, t_start: float, duration: float, marks: list[tuple[str, float]]) -> None:
@@ -191,11 +191,14 @@ async def _faults(soak: Soak, log: Path, t_start: float, duration: float, marks:
     for i, rank in enumerate((1, 0)):
         await asyncio.sleep(max(0.0, t_start + duration * (i + 1) / 3 - time.monotonic()))
         pid = _current_pid(log, rank)
+        deaths = await asyncio.to_thread(_metric_sum, soak.base_url, "phalanx:engine_rank_deaths_total")
         os.kill(pid, signal.SIGKILL)
         marks.append((f"kill {i + 1}", time.monotonic()))
         print(f"killed rank {rank} (pid {pid})", flush=True)
-        await asyncio.sleep(0.5)
-        while await asyncio.to_thread(_ranks_up, soak.base_url) < 2:
+        # The death seen by the server, then every rank serving again.
+        while await asyncio.to_thread(_metric_sum, soak.base_url, "phalanx:engine_rank_deaths_total") <= deaths:
+            await asyncio.sleep(0.1)
+        while await asyncio.to_thread(_metric_sum, soak.base_url, "phalanx:engine_rank_up") < 2:
             await asyncio.sleep(0.2)
         marks.append((f"up {i + 1}", time.monotonic()))
 

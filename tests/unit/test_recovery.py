@@ -165,3 +165,30 @@ def test_a_request_waiting_for_a_serving_rank_gets_a_503_naming_why(tmp_path: Pa
         await engine.stop()
 
     asyncio.run(run())
+
+
+def test_a_non_streaming_client_that_leaves_gets_no_server_exception() -> None:
+    """Regression: when a non-streaming client disconnected, the handler raised the cancelled work's
+    CancelledError (a cancelled gather ends with that exception, not in the cancelled state), and
+    uvicorn logged "Exception in ASGI application" for every such client; now the request's
+    samples are aborted and the handler returns None (-> 499)."""
+    from phalanx.entrypoints.openai.serving import _collect
+
+    class Raw:
+        async def receive(self) -> dict:
+            return {"type": "http.disconnect"}
+
+    aborted: list[str] = []
+
+    async def never_finishes():  # noqa: ANN202 - an engine stream that outlives its client
+        try:
+            await asyncio.sleep(3600)
+            yield None
+        finally:
+            aborted.append("aborted")
+
+    async def run() -> object:
+        return await _collect([never_finishes(), never_finishes()], Raw())  # type: ignore[arg-type]
+
+    assert asyncio.run(run()) is None
+    assert aborted == ["aborted", "aborted"]

@@ -523,13 +523,15 @@ async def _collect(gens: list[AsyncIterator[RequestOutput]], raw: Request) -> li
 
     work = asyncio.ensure_future(asyncio.gather(*(last(g) for g in gens)))
     watch = asyncio.create_task(disconnected())
+    client_left = False
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
         if not work.done():  # the client left (or this handler was cancelled): abort everything
+            client_left = True
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        return None
-    return work.result()
+    # A cancelled gather ends with a CancelledError *exception* (not in the cancelled state), so
+    # work.result() would raise it out of the handler.
+    return None if client_left else work.result()

@@ -14,6 +14,7 @@ from phalanx.engine.engine_core import EngineCoreRequest
 from tests.tiny_models import VOCAB, find_stop_string, make_agreeing_eagle_pair, make_eagle_head, make_model
 
 LENS = [3, 17, 40, 9, 1, 25, 60, 5, 33, 12, 7, 50, 2, 19, 28, 44]
+EOS = 0  # the tiny models' eos_token_id
 
 
 @pytest.fixture(scope="module")
@@ -250,17 +251,20 @@ def test_n_samples_with_spec_end_where_plain_decoding_does(models: dict[str, Pat
     for r, o in zip(ref, got):
         assert [(c.index, c.token_ids, c.finish_reason) for c in o.outputs] == [(j, r, "length") for j in range(3)]
     assert spec.get_metrics()["spec_num_accepted_tokens"] > 0
-    # Random samples with a stop token the target often picks (its greedy 3rd token of each prompt).
+    # Random samples with a stop token the target often picks (its greedy 3rd token of each prompt),
+    # EOS (token 0) stopping them too.
     stopped = 0
     for prompt, r, cap in zip(prompts, ref, caps):
         stop_tok = r[min(2, len(r) - 1)]
         params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=20, stop_token_ids=[stop_tok])
         for c in spec.generate(prompt, params, use_tqdm=False)[0].outputs:
+            ends = [i for i, t in enumerate(c.token_ids) if t in (stop_tok, EOS)]
             if c.finish_reason == "stop":
-                stopped += 1
-                assert c.token_ids.index(stop_tok) == len(c.token_ids) - 1 and c.stop_reason == stop_tok
+                stopped += c.stop_reason == stop_tok
+                assert ends == [len(c.token_ids) - 1], c  # the first stop is the last token
+                assert c.stop_reason == (stop_tok if c.token_ids[-1] == stop_tok else None), c  # EOS: None
             else:
-                assert (c.finish_reason, len(c.token_ids), stop_tok in c.token_ids) == ("length", cap, False)
+                assert (c.finish_reason, len(c.token_ids), ends) == ("length", cap, []), c
     assert stopped > 0  # the stop-token branch ran
 
 

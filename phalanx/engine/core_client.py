@@ -44,7 +44,7 @@ from phalanx.engine.core_process import (
 )
 from phalanx.engine.engine_core import EngineCoreRequest
 from phalanx.engine.recovery import RankState
-from phalanx.net import free_port
+from phalanx.net import free_listen_ports
 
 logger = logging.getLogger("phalanx.engine")
 
@@ -111,7 +111,7 @@ class RankAddresses:
 def rank_addresses(dp: int, address: str | None, rpc_port: int | None, ipc_dir: str) -> RankAddresses:
     if address is None:
         return RankAddresses(
-            f"ipc://{ipc_dir}/output", [f"ipc://{ipc_dir}/input-{r}" for r in range(dp)], f"tcp://127.0.0.1:{free_port()}"
+            f"ipc://{ipc_dir}/output", [f"ipc://{ipc_dir}/input-{r}" for r in range(dp)], f"tcp://127.0.0.1:{free_listen_ports(1)}"
         )
     if rpc_port is None:
         raise ValueError("--data-parallel-address needs --data-parallel-rpc-port")
@@ -441,7 +441,7 @@ class EngineCoreClient:
         for r in self.ranks:
             if r.state is not RankState.DEAD:
                 self.retire(r.rank)
-        self._addresses = dataclasses.replace(self._addresses, dist_init_method=f"tcp://127.0.0.1:{free_port()}")
+        self._addresses = dataclasses.replace(self._addresses, dist_init_method=f"tcp://127.0.0.1:{free_listen_ports(1)}")
         logger.info("re-forming the lockstep group of %d ranks at %s", len(self.ranks), self._addresses.dist_init_method)
         for r in self.ranks:
             self.respawn(r.rank)

@@ -30,6 +30,7 @@ from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, Eng
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.recovery import RecoveryConfig
 from phalanx.engine.tokenizer import eos_token_ids_of, load_tokenizer
+from phalanx.net import ephemeral_port_range
 from phalanx.entrypoints.async_llm import AsyncLLM
 from phalanx.entrypoints.openai.server import build_app, make_state
 
@@ -116,6 +117,20 @@ def check_config(cfg: ServeConfig) -> None:
             "a multi-node deployment (--data-parallel-size-local < -dp) needs --data-parallel-address and "
             "--data-parallel-rpc-port"
         )
+    if cfg.data_parallel_rpc_port is not None:
+        top = cfg.data_parallel_rpc_port + 1 + dp
+        if cfg.data_parallel_rpc_port < 1 or top > 65535:
+            raise ConfigError(
+                f"--data-parallel-rpc-port {cfg.data_parallel_rpc_port} with -dp {dp} uses ports "
+                f"{cfg.data_parallel_rpc_port}..{top}; they must lie in 1..65535"
+            )
+        low, high = ephemeral_port_range()
+        if cfg.data_parallel_rpc_port <= high and top >= low:
+            logger.warning(
+                "--data-parallel-rpc-port %d..%d overlaps the ephemeral port range %d..%d: a remote rank that "
+                "connects before the head binds can take one of these ports as its own source port; "
+                "prefer a port below %d", cfg.data_parallel_rpc_port, top, low, high, low,
+            )
     if cfg.num_threads is not None and cfg.num_threads < 1:
         raise ConfigError(f"--num-threads must be >= 1, got {cfg.num_threads}")
     if cfg.headless and local == dp:

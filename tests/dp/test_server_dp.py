@@ -27,7 +27,7 @@ import pytest
 
 from phalanx import LLM, SamplingParams
 from phalanx.engine.core_process import STEP_DELAY_ENV
-from phalanx.net import free_port
+from phalanx.net import free_listen_ports
 from tests.e2e.conftest import MODEL_NAME, serve_command, start_server
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
@@ -186,7 +186,7 @@ def test_dense_independent_ranks_with_eagle_under_load(models: dict[str, Path], 
 
 
 def test_two_nodes_on_loopback(models: dict[str, Path], tmp_path: Path) -> None:
-    rpc = free_port() + 7  # the head uses rpc .. rpc + 1 + dp
+    rpc = free_listen_ports(4)  # the head uses rpc .. rpc + 1 + dp
     common = ["-dp", "2", "--enable-expert-parallel", "--data-parallel-size-local", "1",
               "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
               "--max-model-len", "256", "--kv-cache-space", "0.05"]
@@ -216,7 +216,7 @@ def test_two_nodes_on_loopback(models: dict[str, Path], tmp_path: Path) -> None:
 def test_headless_node_stops_when_its_head_dies(models: dict[str, Path], tmp_path: Path) -> None:
     """Independent ranks: a remote rank cannot watch the head's process; the head's pings stop when
     it dies, and the remote rank leaves after --dp-timeout instead of idling forever."""
-    rpc = free_port() + 11
+    rpc = free_listen_ports(4)
     common = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc), "--dp-timeout", "3", "--max-model-len", "256",
               "--kv-cache-space", "0.05"]

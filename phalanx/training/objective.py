@@ -121,9 +121,10 @@ class Objective:
             raise ValueError(f"labels must be 'soft' or 'hard', got {self.labels!r}")
 
     def __call__(self, head: EagleHead, batch: EagleBatch, teacher_rows: torch.Tensor | None = None,
-                 target_to_draft: torch.Tensor | None = None, with_ce: bool = True) -> tuple[torch.Tensor, LossStats]:
-        """The weighted loss over all passes and its statistics (`with_ce=False`: without the
-        hard-label cross-entropy statistic, one more pass over the logits that training can skip).
+                 target_to_draft: torch.Tensor | None = None, with_stats: bool = True
+                 ) -> tuple[torch.Tensor, LossStats]:
+        """The weighted loss over all passes and its statistics (`with_stats=False`: the loss alone;
+        the statistics' argmax and hard-label cross-entropy are two more passes over the logits).
 
         teacher_rows [V_head, H]: the target's lm_head rows of the head's vocabulary (soft labels);
         target_to_draft [V]: draft id of each target id, IGNORE where the head cannot draft it
@@ -133,36 +134,41 @@ class Objective:
         if target_to_draft is not None:  # target ids -> the head's ids (IGNORE outside its vocabulary)
             labels = torch.where(labels >= 0, target_to_draft[labels.clamp(min=0)], labels)
         outs = head.unrolled(batch.tokens, head.fuse(batch.features), batch.positions, self.passes)
+        # The logits and losses are taken at labelled positions only (prompt and padding positions
+        # feed the attention but learn nothing): rows of the flattened [B * T] grid.
+        B, T = batch.labels.shape
+        rows = torch.nonzero(batch.labels.reshape(-1) != IGNORE).flatten()  # [N]
+        t_of_row = rows % T  # position of each row in its sequence
+        target_final = batch.next_final.reshape(B * T, -1)[rows].float()  # [N, H]
+        lab_rows = labels.reshape(-1)[rows]  # [N] the head's ids (IGNORE: not draftable)
         teacher = None
         if self.labels == "soft":
             assert teacher_rows is not None, "soft labels need the target's lm_head rows"
             with torch.no_grad():
-                teacher = torch.softmax(batch.next_final.float() @ teacher_rows.float().t(), dim=-1)
+                teacher = torch.softmax(target_final @ teacher_rows.float().t(), dim=-1)  # [N, V_head]
         weights = [self.pass_decay ** j for j in range(self.passes)]
         total = torch.zeros(())
         stats = LossStats(batches=1)
         for j, pre in enumerate(outs):
-            valid = batch.labels.clone()
-            valid[:, :j] = IGNORE  # pass j needs a chain that starts at t - j >= 0
-            lab = torch.where(valid != IGNORE, labels, IGNORE)
-            m = (valid != IGNORE).unsqueeze(-1).float()  # [B, T, 1]
-            n = m.sum().clamp(min=1.0)
-            logits = head.logits(pre)  # [B, T, V_head]
+            sub = t_of_row >= j  # pass j needs a chain that starts at t - j >= 0
+            n = int(sub.sum())
+            pre_j = pre.reshape(B * T, -1)[rows[sub]]  # [n, H]
+            lab = lab_rows[sub]
+            logits = head.logits(pre_j)  # [n, V_head]
             if teacher is not None:
-                token_loss = (-(teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1, keepdim=True) * m).sum() / n
+                token_loss = -(teacher[sub] * torch.log_softmax(logits.float(), dim=-1)).sum() / max(n, 1)
             else:
-                token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
-                                             ignore_index=IGNORE)
-            out = head.norm(pre) if head.eagle3 else pre
-            reg = (F.smooth_l1_loss(out.float(), batch.next_final.float(), reduction="none") * m).sum() / (n * pre.shape[-1])
+                token_loss = F.cross_entropy(logits.float(), lab, ignore_index=IGNORE) if n else logits.sum() * 0
+            out = head.norm(pre_j) if head.eagle3 else pre_j
+            reg = F.smooth_l1_loss(out.float(), target_final[sub], reduction="sum") / max(n * pre.shape[-1], 1)
             total = total + weights[j] * (reg + self.ce_weight * token_loss)
-            with torch.no_grad():
-                hard_ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lab.reshape(-1),
-                                          ignore_index=IGNORE, reduction="sum") if with_ce else torch.zeros(())
-                hit = (logits.argmax(-1) == lab) & (lab != IGNORE)
-            # positions whose target token the head cannot draft count as misses (not as skipped)
-            stats.passes.append(PassStats(ce=float(hard_ce), ce_count=int((lab != IGNORE).sum()),
-                                          correct=int(hit.sum()), count=int(m.sum())))
+            if with_stats:
+                with torch.no_grad():
+                    hard_ce = F.cross_entropy(logits.float(), lab, ignore_index=IGNORE, reduction="sum")
+                    hit = (logits.argmax(-1) == lab) & (lab != IGNORE)
+                # positions whose target token the head cannot draft count as misses (not as skipped)
+                stats.passes.append(PassStats(ce=float(hard_ce), ce_count=int((lab != IGNORE).sum()),
+                                              correct=int(hit.sum()), count=n))
         loss = total / sum(weights)
         stats.loss_sum = float(loss.detach())
         return loss, stats

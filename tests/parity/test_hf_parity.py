@@ -126,7 +126,7 @@ def test_half_precision_greedy_matches_transformers_until_a_near_tie(case: str, 
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
     llm = LLM(str(folder), dtype=dtype, block_size=8, max_num_batched_tokens=48, max_model_len=256)
     assert llm.config.model.dtype == getattr(torch, dtype)
-    prompts = _prompts()
+    prompts = _prompts()[1::2]  # 4 of the 8 (3, 12, 33, 64 tokens): transformers is slow in half precision
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     diverged = 0

@@ -1,4 +1,4 @@
-"""Issue 2's benchmark: phalanx vs transformers `generate` on the PEERS random Llama, bf16, 2 threads.
+"""phalanx's offline `LLM` vs transformers `generate` on the 40M random Llama, bf16, 2 threads.
 
 Two workloads, greedy, EOS ignored so both sides produce the same number of tokens:
   (i)  batch 1: one prompt of --b1-input-len tokens, --b1-output-len new tokens;
@@ -7,7 +7,7 @@ Two workloads, greedy, EOS ignored so both sides produce the same number of toke
        static left-padded batch that must decode to the longest request's length.
 tokens/s counts the tokens each request asked for (for transformers, padding and the tokens decoded
 past a shorter request's length are waste). Targets: >= 1.0x at batch 1, >= 3x on (ii). Also prints
-phalanx's engine overhead: the share of step time outside the model forwards (issue 7: <= 20%).
+phalanx's engine overhead: the share of step time outside the model forwards (target: <= 20%).
 
     python benchmarks/make_random_llama.py /tmp/bench_llama
     python benchmarks/engine_vs_transformers.py /tmp/bench_llama [--repeats 2] [--json OUT]

@@ -4,9 +4,9 @@ microseconds per call, same inputs, same process. Prints a markdown table; asser
     python benchmarks/kernel_bench.py [--threads 2] [--iters 200]
 
 Decode attention: random bf16 KV cache, blocks in scattered order (like a served cache), 8 query /
-4 KV heads of 64 (the PEERS 40M Llama) or 4 / 2 (the demo model); each request's context uniform in
+4 KV heads of 64 (the 40M random Llama) or 4 / 2 (the demo model); each request's context uniform in
 [L/2, L]. Elementwise ops: a 512-wide residual stream, 12 heads of 64 for rotary; SiLU-and-multiply
-over 1408 and argmax over 32000 (the PEERS model's MLP and vocabulary).
+over 1408 and argmax over 32000 (the 40M Llama's MLP and vocabulary).
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def elementwise_case(kernel, iters: int, t: int):
 
 def mlp_and_argmax_cases(kernel, iters: int, t: int):
     gen = torch.Generator().manual_seed(t)
-    gate_up = torch.randn(t, 2 * 1408, generator=gen).bfloat16()  # the PEERS model's intermediate size
+    gate_up = torch.randn(t, 2 * 1408, generator=gen).bfloat16()  # the 40M Llama's intermediate size
 
     def silu_ref():
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    logits = torch.randn(t, 32000, generator=gen).bfloat16()  # the PEERS model's vocabulary
+    logits = torch.randn(t, 32000, generator=gen).bfloat16()  # the 40M Llama's vocabulary
     return [
         (f"SiLU-and-multiply, {t} x 1408", timeit(silu_ref, iters), timeit(lambda: kernel.silu_mul(gate_up), iters)),
         (f"greedy argmax, {t} x 32000 bf16 logits (reference: float32 copy + argmax)",

@@ -1,4 +1,4 @@
-"""Build the PEERS.md workload model: a random-weight Llama with a trained byte-level BPE tokenizer.
+"""Build the 40M random Llama of docs/benchmarks.md: a random-weight Llama with a trained byte-level BPE tokenizer.
 
 hidden 512, intermediate 1408, 8 layers, 8 heads / 4 KV heads, tied embeddings, vocab 32000,
 max_position_embeddings 4096, bf16; tokenizer trained with `tokenizers` on generated pseudo-text.

@@ -1,8 +1,8 @@
-"""The seed's test plan, end to end: serve a model (optionally -dp 2 with a drafter), drive it with
+"""The accuracy test plan, end to end: serve a model (optionally -dp 2 with a drafter), drive it with
 `lm_eval --model local-chat-completions ... num_concurrent=32` on the demo math task, and report
 exact_match next to the dp 1 run without speculation, plus the acceptance read from /metrics.
 
-    python benchmarks/seed_test_plan.py [--limit N] [--out docs/seed-test-plan.md]
+    python benchmarks/seed_test_plan.py [--limit N] [--only 0,1] [--json OUT]
 
 Each configuration is (label, model, extra `phalanx serve` flags). Prints a markdown table.
 """

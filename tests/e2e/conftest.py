@@ -1,6 +1,6 @@
 """End-to-end fixtures: a tiny chat model and real `phalanx serve` subprocesses on free local ports.
 
-One server (`server`) is shared by the whole session to keep start-up costs down; tests that must
+One server (`server`) is shared by the whole test run to keep start-up costs down; tests that must
 break a server (kill its engine) start their own with `start_server`.
 """
 

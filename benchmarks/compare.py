@@ -91,6 +91,28 @@ class Server:
                 self.proc.wait()
 
 
+def peak_rss_mb(pid: int) -> dict[str, float]:
+    """Peak resident memory (VmHWM, MiB) of a server we started: its first process (phalanx's and
+    vLLM's API server; llama.cpp's whole server) and the sum over the processes it spawned (engine
+    ranks and helpers), read while they run."""
+    import psutil
+
+    def hwm(p: psutil.Process) -> float:
+        try:
+            with open(f"/proc/{p.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    root = psutil.Process(pid)
+    front = hwm(root)
+    children = sum(hwm(c) for c in root.children(recursive=True))
+    return {"front_mb": round(front, 1), "children_mb": round(children, 1), "total_mb": round(front + children, 1)}
+
+
 def phalanx_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Path) -> Server:
     cmd = [sys.executable, "-m", "phalanx.entrypoints.cli", "serve", args.model, "--dtype", args.dtype,
            "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", str(args.max_model_len),
@@ -282,7 +304,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                         continue
                     try:
                         for c in concurrencies:
-                            save(record(engine, spec_name, dp, c, args, drive(args, server.port, c)))
+                            res = drive(args, server.port, c)
+                            save({**record(engine, spec_name, dp, c, args, res), "peak_rss_mb": peak_rss_mb(server.proc.pid)})
                     finally:
                         server.stop()
                 else:

@@ -242,12 +242,21 @@ def run_transformers(args: argparse.Namespace, concurrency: int) -> dict[str, An
 
 
 # ---- run ----------------------------------------------------------------------------------------
+def cpu_kind() -> str:
+    """The bf16 matmul capability of this machine's CPU: 'amx' (amx_bf16), 'avx512_bf16', or 'other'."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "not recorded"
+    return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "other"
+
+
 def record(engine: str, spec_name: str, dp: int, c: int, args: argparse.Namespace, res: dict) -> dict[str, Any]:
     spec = res.get("spec_decode") or {}
     return {
         "engine": engine, "spec": spec_name, "dp": dp, "concurrency": c,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "dtype": args.dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "dtype": args.dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": cpu_kind(),
         "output_throughput": res.get("output_throughput"),
         "failed": res.get("failed", 0),
         "tpot_median_ms": (res.get("tpot_ms") or {}).get("median"),

@@ -112,6 +112,17 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def active_parameters(self) -> int:
+        """Weights one token's forward multiplies by (attention, the MLP or the routed and shared
+        experts it uses, the lm_head; not the embedding lookup): the model's compute per token."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = 3 * h * (self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size)
+        moe_layers = set(self.moe_layer_ids) if self.is_moe else set()
+        layers = sum(attn + (moe_mlp if i in moe_layers else dense_mlp) for i in range(self.num_layers))
+        return layers + self.vocab_size * h
+
     @classmethod
     def from_hf(
         cls, path: str | os.PathLike[str], dtype: str | torch.dtype = "auto", max_model_len: int | None = None

@@ -99,6 +99,9 @@ class EngineClientConfig:
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int | None = None
     num_threads: int | None = None  # torch threads per rank (default: local_threads)
+    # The model's compute per token (ModelConfig.active_parameters), which decides whether the
+    # front end keeps a core of its own (front_end_cores); None: it does.
+    model_active_params: int | None = None
 
 
 @dataclass
@@ -133,7 +136,23 @@ def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
     return proc
 
 
-FRONT_END_CORES = 1  # cores a node running the API server keeps free of engine threads
+FRONT_END_CORES = 1  # cores a node running the API server keeps free of engine threads, when it does
+# Below this compute per token, a step is so short that the front end's per-token work (HTTP,
+# detokenization, streaming) competes with the engine for the step's critical path.
+SMALL_MODEL_PARAMS = 32_000_000
+
+
+def front_end_cores(active_params: int | None, cores: int) -> int:
+    """Cores the API server keeps free of engine threads on a node with `cores` usable cores.
+
+    On 4 or more cores it keeps one, as vLLM's CPU backend does (it costs the engine at most a
+    quarter of the machine). On 2 or 3 it keeps one only for a small model: measured on 2 cores
+    (docs/benchmarks.md, "Engine threads"), the 4.7M demo serves 1.3-1.5x faster with the engine on
+    one thread and the front end on the other, while SmolLM2-135M loses 1.2-1.5x that way (its steps
+    are long; the front end's work fits in their gaps). `--num-threads` overrides."""
+    if cores >= 4:
+        return FRONT_END_CORES
+    return FRONT_END_CORES if active_params is None or active_params < SMALL_MODEL_PARAMS else 0
 
 
 def usable_cores() -> int:
@@ -187,7 +206,8 @@ class EngineCoreClient:
         cfg = self.config
         dp = cfg.data_parallel_size
         local = range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + (cfg.data_parallel_size_local or dp))
-        self._threads = local_threads(len(local), cfg.num_threads)
+        reserved = front_end_cores(cfg.model_active_params, usable_cores())
+        self._threads = local_threads(len(local), cfg.num_threads, reserved)
         for rank in range(dp):
             address = self._addresses.inputs[rank]
             sock = self._ctx.socket(zmq.PUSH)
@@ -274,6 +294,12 @@ class EngineCoreClient:
     def vocab_size(self) -> int:
         assert self._first_ready is not None, "no engine rank has started yet"
         return self._first_ready.vocab_size
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The engine's speculative k (0: none), the same on every rank."""
+        assert self._first_ready is not None, "no engine rank has started yet"
+        return self._first_ready.num_speculative_tokens
 
     # ---- requests ---------------------------------------------------------------------------
     def serving_ranks(self) -> list[RankHandle]:

@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from phalanx.checkpoint import resolve_model_path
+from phalanx.config import ModelConfig
 from phalanx.engine.args import EngineArgs
 from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, EngineStartupError
 from phalanx.engine.metrics import ServingMetrics
@@ -152,6 +153,7 @@ async def serve(cfg: ServeConfig) -> int:
             data_parallel_address=cfg.data_parallel_address,
             data_parallel_rpc_port=cfg.data_parallel_rpc_port,
             num_threads=cfg.num_threads,
+            model_active_params=ModelConfig.from_hf(model_path).active_parameters(),
         )
     )
     try:

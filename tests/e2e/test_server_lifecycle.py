@@ -88,6 +88,21 @@ def test_engine_threads_leave_a_core_for_the_front_end(monkeypatch: pytest.Monke
     assert core_client.local_threads(1) == max(1, core_client.usable_cores() - 1)
 
 
+def test_front_end_keeps_a_core_on_big_machines_and_for_small_models() -> None:
+    from phalanx.checkpoint import resolve_model_path
+    from phalanx.config import ModelConfig
+    from phalanx.engine.core_client import SMALL_MODEL_PARAMS, front_end_cores
+
+    small, big = SMALL_MODEL_PARAMS - 1, 135_000_000
+    assert [front_end_cores(p, c) for p in (small, big, None) for c in (2, 3)] == [1, 1, 0, 0, 1, 1]
+    assert [front_end_cores(p, c) for p in (small, big, None) for c in (4, 64)] == [1] * 6
+    # the demo is small, SmolLM2-135M is not (attention + MLP of 30 layers + its 49152 x 576 lm_head)
+    assert ModelConfig.from_hf(resolve_model_path("phalanx-math")).active_parameters() < SMALL_MODEL_PARAMS
+    cfg = ModelConfig.from_hf(resolve_model_path("phalanx-math-moe"))
+    assert cfg.active_parameters() < sum(3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts
+                                         for _ in cfg.moe_layer_ids)  # only the routed experts count
+
+
 def test_served_engine_logs_its_threads(server: ServerProcess) -> None:
     from phalanx.engine.core_client import local_threads
 

@@ -71,12 +71,14 @@ if __name__ == "__main__":  # the CPU backend spawns processes that re-import th
 class Server:
     """A server subprocess on 127.0.0.1 that we started and will stop (by its PID only)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, start_timeout: float) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, start_timeout: float,
+                 ready_path: str = "/health") -> None:
         self.port = int(cmd[cmd.index("--port") + 1])
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        why = wait_until_healthy(self.proc, f"http://127.0.0.1:{self.port}", start_timeout, interval_s=1.0)
+        why = wait_until_healthy(self.proc, f"http://127.0.0.1:{self.port}", start_timeout, interval_s=1.0,
+                                 path=ready_path)
         if why is not None:
             self.stop()
             raise RuntimeError(f"{why}; see {log}")
@@ -155,8 +157,9 @@ def llamacpp_server(args: argparse.Namespace, spec: dict | None, dp: int, log: P
         raise RuntimeError("llama.cpp runs without speculation and data parallelism here")
     cmd = [args.llamacpp_python, "-m", "llama_cpp.server", "--model", args.llamacpp_gguf, "--host", "127.0.0.1",
            "--port", str(free_port()), "--n_threads", str(args.threads), "--n_ctx", str(args.max_model_len),
-           "--model_alias", args.model]
-    return Server(cmd, dict(os.environ), log, args.start_timeout)
+           "--model_alias", args.model, "--interrupt_requests", "False"]  # (its default cancels the running
+    # request whenever another arrives: under concurrency every request but the last would be cut short)
+    return Server(cmd, dict(os.environ), log, args.start_timeout, ready_path="/v1/models")  # it has no /health
 
 
 def vllm_preload(args: argparse.Namespace) -> list[str]:
@@ -184,7 +187,7 @@ def drive(args: argparse.Namespace, port: int, concurrency: int) -> dict[str, An
     p = argparse.ArgumentParser()
     add_serve_args(p)
     bargs = p.parse_args([
-        "--base-url", f"http://127.0.0.1:{port}", "--model", args.model, "--endpoint", "completions",
+        "--base-url", f"http://127.0.0.1:{port}", "--model", args.model, "--endpoint", args.endpoint,
         "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--max-concurrency", str(concurrency), "--ignore-eos",
         "--temperature", "0", "--seed", str(args.seed), "--num-warmups", str(args.num_warmups),
@@ -257,6 +260,7 @@ def record(engine: str, spec_name: str, dp: int, c: int, args: argparse.Namespac
         "engine": engine, "spec": spec_name, "dp": dp, "concurrency": c,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "dtype": args.dtype, "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpu": cpu_kind(),
+        "endpoint": args.endpoint,
         "output_throughput": res.get("output_throughput"),
         "failed": res.get("failed", 0),
         "tpot_median_ms": (res.get("tpot_ms") or {}).get("median"),
@@ -487,6 +491,10 @@ def main() -> int:
     r.add_argument("--llamacpp-gguf", default=None, help="the GGUF llama.cpp serves (same weights as --model)")
     r.add_argument("--dataset", default=None, help="JSONL of text prompts (question/prompt/text field) for server "
                    "engines; default: random token ids of --input-len")
+    r.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="the server API the client drives; chat applies each server's chat template (llama.cpp "
+                        "may answer a raw text completion with an immediate end of sequence, and it ignores "
+                        "ignore_eos)")
     r.add_argument("--vllm-omp-bind", default="auto",
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM: 'auto' (vLLM's default: one core reserved for its "
                         "front end, as phalanx serve's default), 'all' cores (dp 1), or an explicit list such as "

@@ -54,8 +54,9 @@ def free_listen_ports(count: int, host: str = "127.0.0.1", low: int = 20000) -> 
     raise RuntimeError(f"no {count} consecutive free ports found on {host} below the ephemeral range")
 
 
-def wait_until_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, interval_s: float = 0.2) -> str | None:
-    """Poll `base_url`/health until it answers 200 while `proc` (the server we started) lives.
+def wait_until_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, interval_s: float = 0.2,
+                       path: str = "/health") -> str | None:
+    """Poll `base_url` + `path` until it answers 200 while `proc` (the server we started) lives.
     Returns None once healthy, else why not (the caller adds its log and stops the process)."""
     import httpx
 
@@ -64,7 +65,7 @@ def wait_until_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, 
         if proc.poll() is not None:
             return f"server exited with {proc.returncode} during start-up"
         try:
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{base_url}{path}", timeout=2.0).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass

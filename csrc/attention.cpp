@@ -4,6 +4,8 @@
 // order, whatever the batch or the number of query tokens around it (batch-invariant).
 #include <ATen/ops/empty_like.h>
 
+#include <atomic>
+
 #include "common.h"
 #include "ops.h"
 
@@ -70,6 +72,12 @@ void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, 
                       const int64_t*, int64_t, int64_t, float, float*, c10::BFloat16* const*) {}
 #endif
 
+// Query tokens per task in a long query grid (a prefill chunk). Splitting a sequence's queries into
+// blocks lets both threads work on one long prompt (a task per (sequence, KV head) left SmolLM2's 3
+// KV heads to 2 threads as 2 + 1) and keeps a task's fp32 score rows (rows x keys) near the core's
+// cache. Each query row's sums do not depend on the block it is in (batch-invariant as before).
+constexpr int64_t kQueryBlock = 32;
+
 template <typename T>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
                            const int64_t* visible, T* out, int64_t num_seqs, int64_t qlen, int64_t num_heads,
@@ -77,21 +85,32 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
                            int64_t block_size, float scale) {
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t rows = qlen * group;  // query vectors that share one KV head of one sequence
   const int64_t max_len = table_width * block_size;
+  // A task: one query block of one sequence against one KV head (rows = its queries x the heads
+  // that share the KV head). Tasks are handed out from a shared counter, the last query blocks
+  // (the most keys under a causal mask) first, so the threads finish together.
+  const int64_t qb = std::min<int64_t>(qlen, kQueryBlock);
+  const int64_t num_qblocks = (qlen + qb - 1) / qb;
+  const int64_t pairs = num_seqs * num_kv_heads;
+  const int64_t num_tasks = pairs * num_qblocks;
+  const int64_t max_rows = qb * group;
   // bf16 with head_dim 32 / 64 / 96 / 128: the register-tiled task (decode_task_bf16)
   const int64_t nv = head_dim / 16;
   const bool tiled = bf16_dot && head_dim % 32 == 0 && nv >= 2 && nv <= 8;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rows * head_dim), acc(rows * head_dim), kv(head_dim), scores;
-    std::vector<const T*> qrow(rows), krow, vrow;
-    std::vector<T*> orow(rows);
-    std::vector<int64_t> limit(rows);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, h = task % num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kv(head_dim), scores;
+    std::vector<const T*> qrow(max_rows), krow, vrow;
+    std::vector<T*> orow(max_rows);
+    std::vector<int64_t> limit(max_rows);
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
+      const int64_t pair = task % pairs, q0 = (num_qblocks - 1 - task / pairs) * qb;
+      const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
+      const int64_t rows = std::min<int64_t>(qb, qlen - q0) * group;
       int64_t len = 0;
       for (int64_t r = 0; r < rows; ++r) {
-        limit[r] = std::min<int64_t>(std::max<int64_t>(visible[s * qlen + r / group], 0), max_len);
+        limit[r] = std::min<int64_t>(std::max<int64_t>(visible[s * qlen + q0 + r / group], 0), max_len);
         len = std::max(len, limit[r]);
       }
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -105,7 +124,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
             vrow[l] = v_cache + slot * head_dim;
           }
           for (int64_t r = 0; r < rows; ++r) {
-            const int64_t qi = r / group, head = h * group + r % group;
+            const int64_t qi = q0 + r / group, head = h * group + r % group;
             qrow[r] = q + ((s * qlen + qi) * num_heads + head) * head_dim;
             orow[r] = out + ((s * qlen + qi) * num_heads + head) * head_dim;
           }
@@ -120,7 +139,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qi = r / group, head = h * group + r % group;
+        const int64_t qi = q0 + r / group, head = h * group + r % group;
         qrow[r] = q + ((s * qlen + qi) * num_heads + head) * head_dim;
         if (!bf16_dot) to_float(qrow[r], qf.data() + r * head_dim, head_dim);
       }
@@ -160,7 +179,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qi = r / group, head = h * group + r % group;
+        const int64_t qi = q0 + r / group, head = h * group + r % group;
         from_float(acc.data() + r * head_dim, out + ((s * qlen + qi) * num_heads + head) * head_dim, head_dim);
       }
     }

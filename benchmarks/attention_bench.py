@@ -1,0 +1,60 @@
+"""The paged-attention kernel (`ops.cpu.decode_attention`) on SmolLM2's shapes (9 heads, 3 KV heads,
+head_dim 64, bf16, 16-token blocks): long prefills, a prefill chunk after a cached prefix, decode and
+speculative verification grids. Prints ms per call, GFLOP/s (4 x heads x head_dim per visible key)
+and a digest of the output, so two builds of the kernel can be compared for identical results.
+
+    python benchmarks/attention_bench.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+
+import torch
+
+from phalanx.ops import cpu as cpu_ops
+
+H, KVH, D, BS = 9, 3, 64, 16
+CASES = {  # name: (sequences, queries per sequence, keys of the last query, repeats)
+    "prefill 1930": (1, 1930, 1930, 3),
+    "prefill 512": (1, 512, 512, 10),
+    "chunk 256 at 1024": (1, 256, 1024, 10),
+    "decode 16 x 1 at 600": (16, 1, 600, 200),
+    "verify 8 x 4 at 300": (8, 4, 300, 200),
+}
+
+
+def case(seqs: int, queries: int, keys: int) -> tuple[torch.Tensor, ...]:
+    blocks = -(-keys // BS)
+    kv = torch.randn(2, KVH, seqs * blocks + 3, BS, D).bfloat16()
+    table = torch.stack([torch.randperm(seqs * blocks + 3)[:blocks] for _ in range(seqs)])
+    q = torch.randn(seqs, queries, H, D).bfloat16()
+    visible = torch.stack([torch.arange(keys - queries + 1, keys + 1) for _ in range(seqs)])  # causal
+    return q, kv, table, visible
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    kernel = cpu_ops.kernel_for(torch.bfloat16)
+    if kernel is None:
+        raise SystemExit("the C++ kernels are not available here (PHALANX_KERNELS, or the build failed)")
+    for name, (seqs, queries, keys, reps) in CASES.items():
+        q, kv, table, visible = case(seqs, queries, keys)
+        out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125)  # warm-up
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125)
+        dt = (time.perf_counter() - start) / reps
+        flops = 4 * H * D * int(visible.sum())
+        digest = hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+        print(f"{name:22s} {dt * 1e3:9.3f} ms  {flops / dt / 1e9:6.1f} GFLOP/s  {digest}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

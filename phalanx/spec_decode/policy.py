@@ -1,0 +1,83 @@
+"""The adaptive draft-length policy: a pure function from acceptance estimates and step costs to
+each request's draft length for the next step.
+
+Owns: `choose_draft_lengths` (the decision) and `expected_tokens` (its objective's numerator).
+Does not own: measuring anything (``spec_decode.adaptive`` keeps the running acceptance counts and
+the step-cost curve), applying caps from the request or the batch (``core.scheduler``), or how
+ranks in lockstep agree on the drafter passes (the vote: ``distributed.vote``).
+
+The cost model. A step in which the R requests that reach their end get d_1..d_R drafts (verified
+in the next step) yields, in expectation,
+
+    tokens(d) = R + sum_i sum_{j <= d_i} g_ij,   g_ij = a_i1 * a_i2 * ... * a_ij
+
+where a_ij is request i's acceptance rate at draft position j given that positions 1..j-1 were
+accepted (g_ij is the probability that draft j is accepted: each request emits its accepted drafts
+plus one token). It costs
+
+    time(d) = step_cost[sum_i d_i] + pass_cost * max(max_i d_i - 1, 0)
+
+where step_cost[m] is the predicted time of the step with m draft rows added to the batch (the
+target's verification of the extra rows, measured at the current batch size; non-decreasing in m)
+and pass_cost is one extra drafter pass (a model drafter's pass 1 runs anyway to catch its KV up;
+n-gram lookup runs no passes: 0). The policy maximises tokens per unit of time, tokens(d) / time(d).
+
+Why the search is exact and small. For a fixed largest depth D and a fixed number of draft rows m
+the time is fixed, so the best choice is the m largest gains among positions j <= min(cap_i, D);
+since g_ij never increases with j, those m positions are a prefix of each request's positions
+(ties are broken towards the earlier position), i.e. valid draft lengths. Every vector d is
+dominated by the (D = max d, m = sum d) candidate, so the best over all (D, m) is the optimum:
+k sorts of at most R * k gains per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def expected_tokens(
+    accept: np.ndarray,  # [R, k] conditional acceptance rate per draft position
+    lengths: np.ndarray,  # [R] draft lengths
+) -> float:
+    """Expected tokens the R requests emit in a step that verifies `lengths` drafts each."""
+    gains = np.cumprod(accept, axis=1)  # [R, k]
+    used = np.arange(accept.shape[1])[None, :] < np.asarray(lengths)[:, None]  # [R, k]
+    return float(accept.shape[0] + gains[used].sum())
+
+
+def choose_draft_lengths(
+    accept: np.ndarray,  # [R, k] float in [0, 1]: P(draft j accepted | drafts 1..j-1 accepted)
+    caps: np.ndarray,  # [R] int in [0, k]: the most drafts each request may get
+    step_cost: np.ndarray,  # [M + 1], M = caps.sum(): step time with m draft rows, non-decreasing, > 0
+    pass_cost: float,  # time of one drafter pass after the first (0: no passes)
+) -> np.ndarray:  # [R] int64, 0 <= lengths <= caps
+    """The draft lengths that maximise expected tokens per unit of step time (module docstring).
+    Pure: reads its arguments only, changes none of them. Among equally good choices it takes the
+    one with the fewest passes, then the fewest draft rows."""
+    num_reqs, k = accept.shape
+    caps = np.minimum(np.asarray(caps, dtype=np.int64), k)  # [R]
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    max_depth = int(caps.max(initial=0))
+    if num_reqs == 0 or max_depth == 0:
+        return lengths
+    if step_cost.shape[0] < int(caps.sum()) + 1:
+        raise ValueError(f"step_cost needs {int(caps.sum()) + 1} entries (0..sum of caps), got {step_cost.shape[0]}")
+    gains = np.cumprod(np.clip(accept, 0.0, 1.0), axis=1)  # [R, k] non-increasing along each row
+    position = np.broadcast_to(np.arange(1, k + 1), (num_reqs, k))  # [R, k] draft position j
+    best_ratio = num_reqs / float(step_cost[0])
+    best: tuple[np.ndarray, np.ndarray] | None = None  # (request of each chosen position, order)
+    for depth in range(1, max_depth + 1):
+        allowed = position <= np.minimum(caps, depth)[:, None]  # [R, k]
+        g = gains[allowed]  # [n] row-major: request by request, positions ascending
+        order = np.lexsort((position[allowed], -g))  # largest gain first, earlier position on ties
+        total = np.concatenate(([0.0], np.cumsum(g[order])))  # [n + 1] gain of the best m positions
+        ratio = (num_reqs + total) / (step_cost[: total.shape[0]] + pass_cost * (depth - 1))  # [n + 1]
+        m = int(np.argmax(ratio))  # the first maximum: fewest rows
+        if ratio[m] > best_ratio * (1.0 + 1e-12):
+            best_ratio = float(ratio[m])
+            rows = np.nonzero(allowed)[0]  # [n] request of each allowed position
+            best = (rows, order[:m])
+    if best is not None:
+        rows, chosen = best
+        np.add.at(lengths, rows[chosen], 1)  # a prefix of each request's positions: its length
+    return lengths

@@ -36,7 +36,7 @@ def _vote_rank(rank: int, size: int, port: int, votes: int, check: bool, out: mp
     times = []
     for step in range(votes):
         t = time.perf_counter()
-        table = group.vote(local_row(True, 32, 32, 32, False, step))
+        table = group.vote(local_row(True, 32, 32, 32, False, step, deeper=(32, 32)))
         decide(table, 3, True)
         group.step += 1
         times.append(time.perf_counter() - t)

@@ -27,6 +27,22 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # every integer field crosses process boundaries as int64
 
 
+def speculation_error(requested: int | None, engine_k: int) -> str | None:
+    """Why a request's `num_speculative_tokens` does not fit an engine drafting up to `engine_k`
+    tokens per step (None: it fits). One message for the offline API and the server's 400."""
+    if requested is None or 0 <= requested <= engine_k:
+        return None
+    if engine_k == 0:
+        return (
+            f"num_speculative_tokens must be 0 or unset here: this engine runs without speculative "
+            f"decoding (no speculative config), got {requested}"
+        )
+    return (
+        f"num_speculative_tokens must be in [0, {engine_k}] (this engine's speculative "
+        f"num_speculative_tokens is {engine_k}), got {requested}"
+    )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s). Validated in ``__post_init__``.
@@ -57,6 +73,12 @@ class SamplingParams:
     # token id -> value added to its logit before penalties and sampling (OpenAI's logit_bias; the
     # engine checks the ids against the model's vocabulary)
     logit_bias: dict[int, float] | None = None
+    # Speculative decoding for this request (phalanx's extension; other requests in its batch are
+    # not affected): False opts it out (it never gets drafts); `num_speculative_tokens` caps its
+    # draft length at j (0 <= j <= the engine's k; None: up to k). The engine checks j against its
+    # k (`check_speculation`). Outputs are the same either way: only the speed changes.
+    speculative: bool = True
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_str_list(self.stop, "stop")  # type: ignore[arg-type]
@@ -103,6 +125,16 @@ class SamplingParams:
             raise bad("prompt_logprobs", "None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "None or an integer")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "true or false")
+        j = self.num_speculative_tokens
+        if j is not None and (isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= INT64_MAX):
+            raise bad("num_speculative_tokens", "None or an integer >= 0 (at most the engine's k)")
+        if not self.speculative and j:
+            raise ValueError(
+                f"num_speculative_tokens={j} contradicts speculative=False (which means no drafts); "
+                "give one or the other"
+            )
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t <= INT64_MAX:
                 raise ValueError(f"stop_token_ids must be non-negative 64-bit integers, got {t!r}")
@@ -123,6 +155,20 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
             )
+
+    def check_speculation(self, num_speculative_tokens: int) -> None:
+        """`num_speculative_tokens` must be within the engine's k (0: an engine without speculative
+        decoding, where only 0 or None is valid)."""
+        error = speculation_error(self.num_speculative_tokens, num_speculative_tokens)
+        if error is not None:
+            raise ValueError(error)
+
+    def draft_cap(self, num_speculative_tokens: int) -> int:
+        """The most drafts this request may get per step from an engine drafting up to k."""
+        if not self.speculative:
+            return 0
+        j = self.num_speculative_tokens
+        return num_speculative_tokens if j is None else min(j, num_speculative_tokens)
 
     @property
     def greedy(self) -> bool:

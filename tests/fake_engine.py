@@ -1,7 +1,7 @@
 """An in-process stand-in for the engine processes, for tests of the API server's front end.
 
 `FakeEngineClient` has the surface `AsyncLLM` uses of `EngineCoreClient` (add / abort requests,
-`recv`, liveness, vocabulary size, context length). It records every engine request it is sent and
+`recv`, liveness, vocabulary size, context length, speculative k). It records every engine request it is sent and
 answers each with a fixed list of tokens, then finish reason "length". `fake_app` builds the real
 FastAPI app around it, so HTTP tests run without spawning processes and can assert how much work
 reached the engine (none, for a request rejected with a 400).
@@ -24,9 +24,12 @@ from phalanx.entrypoints.async_llm import AsyncLLM
 
 
 class FakeEngineClient:
-    def __init__(self, vocab_size: int, max_model_len: int, tokens: tuple[int, ...] = (65, 66, 67)) -> None:
+    def __init__(
+        self, vocab_size: int, max_model_len: int, tokens: tuple[int, ...] = (65, 66, 67), num_speculative_tokens: int = 0
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens  # the engine's speculative k (0: none)
         self.tokens = tokens
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
@@ -66,12 +69,12 @@ class FakeEngineClient:
 
 @asynccontextmanager
 async def fake_app(
-    tokenizer: Any | None, vocab_size: int, max_model_len: int = 256
+    tokenizer: Any | None, vocab_size: int, max_model_len: int = 256, num_speculative_tokens: int = 0
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngineClient, AsyncLLM]]:
     """The real server app on a fake engine: (HTTP client, fake engine client, AsyncLLM)."""
     from phalanx.entrypoints.openai.server import build_app, make_state
 
-    client = FakeEngineClient(vocab_size, max_model_len)
+    client = FakeEngineClient(vocab_size, max_model_len, num_speculative_tokens=num_speculative_tokens)
     metrics = ServingMetrics("tiny")
     engine = AsyncLLM(client, tokenizer, metrics)  # type: ignore[arg-type]
     engine.start(None)

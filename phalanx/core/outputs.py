@@ -54,9 +54,10 @@ class SchedulerOutput:
     # Requests whose scheduled tokens reach their last token: they produce tokens (and drafts) this
     # step. The one source of this fact for the runner and for the lockstep vote.
     reaching_end: set[str] = field(default_factory=set)
-    # Whether the drafter proposes after this step (False: the batch holds more requests than the
-    # speculative config's disable_by_batch_size). Read by the runner and by the lockstep vote.
-    propose_drafts: bool = True
+    # req_id -> drafts to propose after this step (0: none), for each request in `reaching_end` when
+    # speculative decoding is on (scheduler `_draft_lengths`: the request's cap, the batch's
+    # disable_by_batch_size, the adaptive policy). Read by the runner and by the lockstep vote.
+    draft_lengths: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +82,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     # Draft tokens proposed for the next step (speculative decoding), per request.
     spec_token_ids: list[list[int]] | None = None
+    # Drafter forwards this step ran (pass 1 + one per draft position; the voted ones in lockstep).
+    num_drafter_passes: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -110,3 +113,5 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # How many times a request reaching its end was given each draft length 0..k (cumulative).
+    spec_draft_lengths: list[int] = field(default_factory=list)

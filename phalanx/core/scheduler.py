@@ -27,6 +27,7 @@ from phalanx.core.outputs import (
     SchedulerStats,
 )
 from phalanx.request import FinishReason, Request, RequestStatus
+from phalanx.spec_decode.adaptive import AdaptiveDrafting
 
 
 class Scheduler:
@@ -38,12 +39,14 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_slots: int = 0,
         disable_by_batch_size: int | None = None,
+        adaptive: AdaptiveDrafting | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = config.max_model_len
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_slots = num_lookahead_slots
         self.disable_by_batch_size = disable_by_batch_size
+        self.adaptive = adaptive  # None: every request drafts its cap (static k)
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -55,6 +58,7 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * max(num_spec_tokens, 0)
+        self.spec_draft_lengths = [0] * (num_spec_tokens + 1) if num_spec_tokens > 0 else []
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -93,6 +97,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.spec_token_ids = []
+        if self.adaptive is not None:
+            self.adaptive.forget(req.req_id)
         self.kv.free(req)
         del self.requests[req.req_id]
         if req.req_id in self._runner_knows:
@@ -201,16 +207,42 @@ class Scheduler:
 
         finished = self._finished_for_runner
         self._finished_for_runner = set()
+        num_drafts_scheduled = sum(len(d) for d in spec.values())
+        total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             scheduled_spec_tokens=spec,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             reaching_end=reaching_end,
-            propose_drafts=self.disable_by_batch_size is None or len(num_scheduled) <= self.disable_by_batch_size,
+            draft_lengths=self._draft_lengths(num_scheduled, reaching_end, total - num_drafts_scheduled),
         )
+
+    def _draft_lengths(self, num_scheduled: dict[str, int], reaching_end: set[str], base_rows: int) -> dict[str, int]:
+        """How many drafts each request reaching its end gets proposed after this step (verified in
+        the next one): its cap — the engine's k, lowered by the request's own `speculative` /
+        `num_speculative_tokens`, by the room left before max_tokens / max_model_len, and 0 for
+        every request when the batch holds more than `disable_by_batch_size` — or, in adaptive
+        mode, what the policy chooses within the caps. The one source of these lengths for the
+        runner, the proposer and the lockstep vote."""
+        k = self.num_spec_tokens
+        if k == 0:
+            return {}
+        req_ids = [r for r in num_scheduled if r in reaching_end]  # batch order
+        off = self.disable_by_batch_size is not None and len(num_scheduled) > self.disable_by_batch_size
+        caps = [0 if off else self._draft_cap(self.requests[r], k) for r in req_ids]
+        lengths = caps if self.adaptive is None else self.adaptive.choose(req_ids, caps, base_rows)
+        for d in lengths:
+            self.spec_draft_lengths[d] += 1
+        return dict(zip(req_ids, lengths))
+
+    def _draft_cap(self, req: Request, k: int) -> int:
+        """The request's own cap, and the room for drafts after this step's token (`_clip_drafts`
+        with one new token: more tokens only leave less room, and the drafts are clipped then)."""
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 2
+        return max(min(req.sampling_params.draft_cap(k), room), 0)
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""
@@ -273,6 +305,8 @@ class Scheduler:
         return list(drafts[: max(room, 0)])
 
     def _record_acceptance(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        if self.adaptive is not None:
+            self.adaptive.observe_verification(req.req_id, num_drafts, num_accepted)
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += num_accepted
         req.num_verify_steps += 1
@@ -295,4 +329,5 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            spec_draft_lengths=list(self.spec_draft_lengths),
         )

@@ -88,6 +88,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     lockstep: bool = False  # this rank runs the lockstep loop (MoE expert parallel, --dp-lockstep)
     generation: int = 0
+    num_speculative_tokens: int = 0  # the most drafts per request and step (0: no speculative decoding)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
@@ -199,6 +200,7 @@ def run_engine_core(config_bytes: bytes) -> None:
                     engine.cfg.model.vocab_size,
                     engine.lockstep,
                     cfg.generation,
+                    engine.num_speculative_tokens,
                 )
             )
         )

@@ -16,9 +16,10 @@ from phalanx.config import EngineConfig
 from phalanx.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from phalanx.core.scheduler import Scheduler
 from phalanx.distributed.group import DPGroup
-from phalanx.distributed.vote import StepPlan, decide, local_row
+from phalanx.distributed.vote import StepPlan, decide, depth_counts, local_row
 from phalanx.request import Request
 from phalanx.sampling_params import SamplingParams
+from phalanx.spec_decode.adaptive import AdaptiveDrafting
 from phalanx.worker.model_runner import ModelRunner
 
 
@@ -43,6 +44,13 @@ class EngineCore:
             raise ValueError("lockstep data parallelism needs the data-parallel group")
         self.runner = ModelRunner(cfg, group)
         spec = cfg.speculative
+        # The adaptive draft-length policy learns from this engine's own step times (in lockstep:
+        # of the padded steps it runs with the others) and its requests' acceptance.
+        self.adaptive = (
+            AdaptiveDrafting(spec.num_speculative_tokens, drafter_passes=self.runner.num_lookahead_slots > 0)
+            if spec is not None and spec.adaptive
+            else None
+        )
         self.scheduler = Scheduler(
             cfg.scheduler,
             cfg.cache,
@@ -50,6 +58,7 @@ class EngineCore:
             num_spec_tokens=spec.num_speculative_tokens if spec is not None else 0,
             num_lookahead_slots=self.runner.num_lookahead_slots,
             disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
+            adaptive=self.adaptive,
         )
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
@@ -60,6 +69,12 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.cfg.scheduler.max_model_len
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most drafts a request gets per step (0: no speculative decoding)."""
+        spec = self.cfg.speculative
+        return spec.num_speculative_tokens if spec is not None else 0
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         validate_prompt_tokens(prompt_token_ids, self.cfg.model.vocab_size, self.max_model_len)
 
@@ -67,6 +82,7 @@ class EngineCore:
         self.validate_prompt(request.prompt_token_ids)
         params = request.sampling_params
         params.check_token_ids(self.cfg.model.vocab_size)
+        params.check_speculation(self.num_speculative_tokens)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         produced = request.output_token_ids
@@ -97,15 +113,27 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
-        outputs = self._execute(sched, None)
+        outputs = self._execute(sched, None, t0)
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, plan: StepPlan | None) -> list[EngineCoreOutput]:
+    def _execute(self, sched: SchedulerOutput, plan: StepPlan | None, t0: float) -> list[EngineCoreOutput]:
+        """Run the step; `t0`: when it began (its scheduling, and in lockstep its vote, included)."""
+        drafter_before = self.runner.drafter_seconds
         result = self.runner.execute(sched, plan)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        if self.adaptive is not None:
+            num_drafts = sum(len(d) for d in sched.scheduled_spec_tokens.values())
+            self.adaptive.observe_step(
+                num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
+                seconds=time.perf_counter() - t0,
+                drafter_seconds=self.runner.drafter_seconds - drafter_before,
+                drafter_passes=result.num_drafter_passes,
+                # no prefill chunk: every request runs its last token and its drafts
+                decode_only=sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + num_drafts,
+            )
         return outputs
 
     # ---- data-parallel lockstep (DESIGN §5) ------------------------------------------------
@@ -117,28 +145,28 @@ class EngineCore:
         step when this rank has nothing, or nothing at all. Every rank calls this every iteration,
         idle or not (rule 6)."""
         assert self.group is not None
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        k = self.num_speculative_tokens
+        # Requests drafting at least 1, 2, .., k tokens: the drafter's passes are sized from these.
+        counts = depth_counts(list(sched.draft_lengths.values()), k)
         row = local_row(
             has_work=self.has_unfinished_requests() or expecting_work,
             num_tokens=sched.total_num_scheduled_tokens,
             num_reqs=len(sched.num_scheduled_tokens),
-            num_sampling=len(sched.reaching_end) if sched.propose_drafts else 0,
+            num_sampling=counts[0] if counts else 0,
             shutdown=shutdown,
             step=self.group.step,
+            deeper=counts[1:],
         )
         table = self.group.vote(row)
-        spec = self.cfg.speculative
-        plan = decide(
-            table,
-            spec.num_speculative_tokens if spec is not None else 0,
-            drafter_runs_passes=self.runner.num_lookahead_slots > 0,
-        )
+        plan = decide(table, k, drafter_runs_passes=self.runner.num_lookahead_slots > 0)
         self.group.step += 1
         if plan.shutdown or not plan.run_forward:
             # Nothing scheduled anywhere; the runner still drops finished requests' state.
             self.runner.execute(sched, plan)
             return [], plan
-        return self._execute(sched, plan), plan
+        return self._execute(sched, plan, t0), plan
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

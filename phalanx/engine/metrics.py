@@ -102,6 +102,7 @@ class _RankCounters:
     spec_accepted: int = 0
     spec_per_pos: list[int] = field(default_factory=list)
     preemptions: int = 0
+    spec_draft_lengths: list[int] = field(default_factory=list)
 
 
 class ServingMetrics:
@@ -162,6 +163,13 @@ class ServingMetrics:
             "phalanx:spec_decode_num_accepted_tokens_per_pos",
             "Accepted speculative tokens by draft position.",
             e + ["position"],
+            registry=r,
+        )
+        self.spec_draft_length = Counter(
+            "phalanx:spec_decode_draft_length",
+            "Requests reaching their end given this draft length for the next step (0..k: the request's "
+            "cap, disable_by_batch_size or the adaptive policy).",
+            e + ["length"],
             registry=r,
         )
         self.rank_deaths = Counter(
@@ -242,6 +250,9 @@ class ServingMetrics:
         for pos, count in enumerate(s.spec_accepted_per_pos):
             before = last.spec_per_pos[pos] if pos < len(last.spec_per_pos) else 0
             _inc(self.spec_accepted_per_pos.labels(*labels, str(pos)), count - before)
+        for length, count in enumerate(s.spec_draft_lengths):
+            before = last.spec_draft_lengths[length] if length < len(last.spec_draft_lengths) else 0
+            _inc(self.spec_draft_length.labels(*labels, str(length)), count - before)
         self._last[rank] = _RankCounters(
             s.prefix_cache_queries,
             s.prefix_cache_hits,
@@ -250,6 +261,7 @@ class ServingMetrics:
             s.spec_num_accepted_tokens,
             list(s.spec_accepted_per_pos),
             s.num_preemptions,
+            list(s.spec_draft_lengths),
         )
 
     # ---- recovery ---------------------------------------------------------------------------

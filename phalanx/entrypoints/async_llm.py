@@ -99,6 +99,10 @@ class AsyncLLM:
         return self.client.vocab_size
 
     @property
+    def num_speculative_tokens(self) -> int:
+        return self.client.num_speculative_tokens
+
+    @property
     def is_healthy(self) -> bool:
         """At least one rank serves (and the server is not failing fast)."""
         return self.dead_message is None and self.client.serving

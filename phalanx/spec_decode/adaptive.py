@@ -87,8 +87,10 @@ class StepCostModel:
 
     Each row-count bucket keeps an exponential moving average of the rows and of the step time
     (without the drafter's passes after the first); the curve interpolates between measured
-    buckets, extrapolates along the nearest measured segment (or, with one bucket measured, along
-    the prior shape time ~ rows + PRIOR_FIXED_ROWS), and is made non-decreasing. The pass cost is
+    buckets, extrapolates along the nearest measured segment (upwards at least along the prior
+    shape time ~ rows + PRIOR_FIXED_ROWS), and is made non-decreasing. With one bucket measured
+    (usually a prompt's step) it is flat below it — no saving from fewer rows is assumed before one
+    is seen — and follows the prior shape above it. The pass cost is
     the average drafter time per pass over steps without a prefill chunk (a prompt's catch-up would
     make pass 1 look expensive).
     """
@@ -128,8 +130,8 @@ class StepCostModel:
         xs, ys = self._rows[self._seen], self._time[self._seen]  # [b] ascending rows (buckets are ordered)
         ys = np.maximum.accumulate(np.maximum(ys, 1e-9))  # more rows never take less time
         rows = np.asarray(rows, dtype=np.float64)
-        if xs.shape[0] == 1:
-            return ys[0] * (rows + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
+        if xs.shape[0] == 1:  # fewer rows: no saving assumed; more rows: the prior shape
+            return ys[0] * np.maximum(rows + PRIOR_FIXED_ROWS, xs[0] + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
         out = np.interp(rows, xs, ys)
         lo_slope = (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)
         hi_slope = max((ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9), ys[-1] / (xs[-1] + PRIOR_FIXED_ROWS))

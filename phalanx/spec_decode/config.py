@@ -1,8 +1,8 @@
 """Speculative-decoding configuration with vLLM's field names, validated against the target.
 
 Owns: `SpeculativeConfig.from_dict` — unknown keys, k < 1, a method that needs a model without
-one, vocabulary / hidden-size mismatches, the draft's own max_model_len, and detecting `method`
-from the draft checkpoint's `architectures` when it is omitted.
+one, vocabulary / hidden-size mismatches, the draft's own max_model_len, `adaptive` (a boolean),
+and detecting `method` from the draft checkpoint's `architectures` when it is omitted.
 Does not own: building proposers (``spec_decode.proposer``).
 """
 
@@ -26,6 +26,7 @@ _FIELDS = (
     "max_model_len",
     "draft_tensor_parallel_size",
     "disable_by_batch_size",
+    "adaptive",
 )
 
 
@@ -41,6 +42,9 @@ class SpeculativeConfig:
     # Draft only in steps whose batch holds at most this many requests (None: always), as vLLM's
     # field: above it verification's extra rows cost more than the accepted tokens save.
     disable_by_batch_size: int | None = None
+    # Choose each request's draft length (0..k) every step from measured step costs and its running
+    # acceptance (``spec_decode.policy``) instead of drafting k for every request.
+    adaptive: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | str, target: ModelConfig) -> SpeculativeConfig:
@@ -91,7 +95,10 @@ class SpeculativeConfig:
         off = raw.get("disable_by_batch_size")
         if off is not None and (not isinstance(off, int) or isinstance(off, bool) or off < 2):
             raise ValueError(f"disable_by_batch_size must be an integer >= 2 (or null), got {off!r}")
-        cfg = cls(method, k, model, lo, hi, max_len, 1, off)
+        adaptive = raw.get("adaptive", False)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {adaptive!r}")
+        cfg = cls(method, k, model, lo, hi, max_len, 1, off, adaptive)
         if model is not None:
             _check_compatible(cfg, target)
         return cfg

@@ -4,13 +4,14 @@ Owns: the draft model, its KV tensors (same block ids as the target, so the sche
 cover both), each request's drafter progress (`_computed`: tokens whose draft KV is valid), and the
 drafting loop.
 
-Per step, exactly k forwards (see ``proposer``):
+Per step, pass 1 and one pass per draft position of the deepest request (see ``proposer``):
   pass 1   every scheduled request catches its draft KV up to the tokens the target has now
-           (sampled: all tokens including the new one; a prefill chunk: the chunk), up to the
-           drafter's context length even for requests too long to draft, so that every prefix-cache
-           block within that length carries draft KV; the last position of each sampled request
+           (drafting: all tokens including the new one; otherwise those with target state), up to
+           the drafter's context length even for requests too long to draft, so that every prefix-cache
+           block within that length carries draft KV; the last position of each drafting request
            that still has room for k drafts drafts token 1.
-  pass j   each sampled request feeds draft j-1 at the next position and drafts token j.
+  pass j   each request that wants a j-th draft feeds draft j-1 at the next position and drafts
+           token j.
 Draft-pass KV past the real tokens is speculative; the next catch-up overwrites it.
 """
 
@@ -32,6 +33,7 @@ from phalanx.spec_decode.proposer import (
     ProposeBatch,
     chain_grid,
     chain_rest,
+    deepest_first,
     draft_rest,
     drafter_pass,
     drafter_room,
@@ -103,8 +105,8 @@ class DraftModelProposer:
             # Past the drafter's context no more drafts, but its KV is still filled up to the
             # context's end, so every cached block below it holds draft KV (a later request hitting
             # those blocks in the prefix cache drafts as well as if it had computed them itself).
-            drafts_now = batch.sampled[i] and len(tokens) + k <= self.room
-            upto = len(tokens) if batch.sampled[i] else batch.num_computed[i] + batch.num_valid[i]
+            drafts_now = batch.num_drafts[i] > 0 and len(tokens) + k <= self.room
+            upto = len(tokens) if batch.num_drafts[i] > 0 else batch.num_computed[i] + batch.num_valid[i]
             upto = min(upto, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
             if upto > start:
@@ -112,7 +114,8 @@ class DraftModelProposer:
                 self._computed[req_id] = upto
                 if drafts_now:
                     drafting.append(len(feeds) - 1)
-        passes = num_passes(batch, k, bool(drafting))
+        drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
+        passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         if passes == 0:
             return drafts
         chains = self._chains(batch)
@@ -133,7 +136,8 @@ class DraftModelProposer:
         if chains and n and passes > 1:  # all of them in one C++ call
             return chain_rest(batch, drafts, rows, tokens, lambda table: self.model.draft_chain(
                 tokens, positions, 1, table, self.block_size, passes - 1, self.kv_caches))
-        return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, self._run, self._greedy)
+        return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes,
+                          lambda p, _num_real: self._run(p), self._greedy)
 
     def _chains(self, batch: ProposeBatch) -> bool:
         """Drafting passes go through the C++ chain (``CausalLM.draft_chain``, bitwise the

@@ -4,12 +4,12 @@ Owns: the head, its one-layer KV cache (same block ids as the target), and the d
 The head at position t consumes (next token x_{t+1}, target feature at t), so its KV stays exactly
 in step with the target's: after each step it covers the positions whose target state is valid.
 
-Per step, exactly k forwards (see ``proposer``):
+Per step, pass 1 and one pass per draft position of the deepest request (see ``proposer``):
   pass 1   every scheduled request runs its valid positions [nc, nc + num_valid) with the tokens
            one to the right and this step's target features (EAGLE-3: three aux layers fused by
-           fc); the last position of each sampled request drafts token 1.
-  pass j   each sampled request feeds (draft j-1, the head's own previous hidden state) at the
-           next position and drafts token j.
+           fc); the last position of each drafting request drafts token 1.
+  pass j   each request that wants a j-th draft feeds (draft j-1, the head's own previous hidden
+           state) at the next position and drafts token j.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from phalanx.spec_decode.proposer import (
     ProposeBatch,
     chain_grid,
     chain_rest,
+    deepest_first,
     draft_rest,
     drafter_pass,
     drafter_room,
@@ -95,9 +96,10 @@ class EagleProposer:
             feeds.append(Feed(i, batch.token_ids[i][nc + 1 : nc + nv + 1], nc))
             off = batch.token_offsets[i]
             hidden_rows.extend(range(off, off + nv))
-            if batch.sampled[i]:
+            if batch.num_drafts[i] > 0:
                 drafting.append(len(feeds) - 1)
-        passes = num_passes(batch, k, bool(drafting))
+        drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
+        passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         if passes == 0:
             return drafts
         index = torch.tensor(hidden_rows, dtype=torch.int64)
@@ -127,10 +129,10 @@ class EagleProposer:
             return chain_rest(batch, drafts, rows, tokens, lambda table: self.head.draft_chain(
                 tokens, feed, positions, 1, table, self.block_size, passes - 1, self.kv_caches[0]))
 
-        def forward(p: DrafterPass) -> torch.Tensor:
+        def forward(p: DrafterPass, num_real: int) -> torch.Tensor:
             nonlocal feed
-            for_logits, fed = self._run(p, feed)
-            feed = fed[:n]
+            for_logits, fed = self._run(p, feed[:num_real])
+            feed = fed[:num_real]
             return for_logits
 
         return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, forward,

@@ -1,8 +1,8 @@
 """Model-free n-gram (prompt lookup) proposer.
 
-Owns: finding, for each sampled request, the longest suffix n-gram (prompt_lookup_max down to
-prompt_lookup_min tokens) that occurred earlier in its own tokens, and proposing the k tokens that
-followed its most recent earlier occurrence. No KV cache, no forward passes.
+Owns: finding, for each drafting request, the longest suffix n-gram (prompt_lookup_max down to
+prompt_lookup_min tokens) that occurred earlier in its own tokens, and proposing the tokens (up to
+its draft length) that followed its most recent earlier occurrence. No KV cache, no forward passes.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ class NgramProposer:
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens
         drafts: list[list[int]] = []
-        for tokens, sampled in zip(batch.token_ids, batch.sampled):
-            if not sampled or len(tokens) + k > self.room:
+        for tokens, wanted in zip(batch.token_ids, batch.num_drafts):
+            if wanted == 0 or len(tokens) + k > self.room:
                 drafts.append([])
                 continue
-            drafts.append(ngram_lookup(np.asarray(tokens, dtype=np.int64), self.min_n, self.max_n, k))
+            drafts.append(ngram_lookup(np.asarray(tokens, dtype=np.int64), self.min_n, self.max_n, wanted))
         return drafts

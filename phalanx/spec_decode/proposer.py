@@ -7,14 +7,17 @@ verification of drafts (``sample.rejection``).
 Contract. After the target verified this step, the runner hands the proposer the step's batch:
 every scheduled request with its token ids *after* appending this step's accepted tokens, the
 position where this step's tokens started (`num_computed`), how many of them hold valid target
-state (`num_valid`: scheduled minus rejected drafts), and whether it produced tokens (`sampled`).
-The proposer returns up to k greedy drafts for each sampled request (one-hot drafts: the rejection
-sampler treats them as deterministic, which keeps verification lossless for random requests too).
+state (`num_valid`: scheduled minus rejected drafts), and how many drafts it gets (`num_drafts`:
+0 for a request that produced no token this step, else the scheduler's draft length, 0..k). The
+proposer returns up to that many greedy drafts per request (one-hot drafts: the rejection sampler
+treats them as deterministic, which keeps verification lossless for random requests too).
 
-Model-based proposers run exactly `num_passes` forwards per step, whatever the batch holds
-(pass 1 catches the drafter's KV up and drafts token 1, passes 2..k draft one token each); with
-nothing to do a pass runs on an empty batch. Keeping the pass count a constant is what lets
-data-parallel ranks in lockstep run the drafter together (DESIGN §5 rule 3).
+Model-based proposers run pass 1 with every step (it catches the drafter's KV up and drafts token
+1), then pass j for j = 2.. while some request wants a j-th draft; pass j feeds only those
+requests (the deepest first, so pass j's rows are a prefix of pass j-1's). In data-parallel
+lockstep the passes and their padded sizes are the voted ones instead (`pass_sizes`), whatever
+the batch holds: with nothing to do a pass runs on padding alone. That is what lets lockstep ranks
+run the drafter together (DESIGN §5 rule 3).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class ProposeBatch:
     token_ids: list[list[int]]  # per request: prompt + outputs incl. this step's accepted tokens
     num_computed: list[int]  # per request: position of the first token scheduled this step
     num_valid: list[int]  # per request: scheduled tokens whose target state is valid (minus rejected)
-    sampled: list[bool]  # per request: produced tokens this step, so it gets drafts
+    num_drafts: list[int]  # per request: drafts wanted after this step (0: none), at most k
     block_table: torch.Tensor  # [R, max_blocks] int64, covering the lookahead slots too
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
@@ -149,33 +152,42 @@ def one_token_pass(
     return DrafterPass(ids, meta, list(range(n)), num_pad)
 
 
+def deepest_first(drafting: list[int], depth_of: Callable[[int], int]) -> list[int]:
+    """`drafting` ordered by draft length, longest first (stable), so that the requests drafting a
+    j-th token are always a prefix: [a:1, b:3, c:2] -> [b, c, a]."""
+    return sorted(drafting, key=lambda f: -depth_of(f))
+
+
 def draft_rest(
     batch: ProposeBatch,
     drafts: list[list[int]],
-    rows: list[int],  # batch rows of the drafting requests
+    rows: list[int],  # batch rows of the drafting requests, deepest first (`deepest_first`)
     tokens: torch.Tensor,  # [n] their draft 1
     positions: torch.Tensor,  # [n] where draft 1 is fed
     block_size: int,
     passes: int,
-    forward: Callable[[DrafterPass], torch.Tensor],  # runs the drafter -> rows to draft from
+    forward: Callable[[DrafterPass, int], torch.Tensor],  # (pass, real rows) -> rows to draft from
     greedy: Callable[[torch.Tensor], torch.Tensor],  # [n, H] -> [n] token ids
 ) -> list[list[int]]:
     """Passes 2..`passes` of a model drafter: pass j feeds draft j-1 one position further and
-    drafts token j (every pass runs, padded to the voted size in lockstep, even with nothing to
-    draft); appends all drafts to `drafts` (one tolist at the end) and returns it."""
-    n = len(rows)
+    drafts token j for the requests that want a j-th draft (a prefix of `rows`; every pass runs,
+    padded to the voted size in lockstep, even with nothing to draft); appends each request's
+    drafts to `drafts` (one tolist per pass at the end) and returns it.
+    Depths [3, 2, 1]: pass 2 feeds rows 0-1, pass 3 row 0."""
+    depths = [min(batch.num_drafts[r], passes) for r in rows]  # (lockstep: the vote covers every depth)
     table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
     out = [tokens]
     for j in range(1, passes):
-        p = one_token_pass(tokens, positions + (j - 1), table, block_size, pass_size(batch, j))
+        n = sum(1 for d in depths if d > j)  # requests drafting token j + 1
+        p = one_token_pass(tokens[:n], positions[:n] + (j - 1), table[:n], block_size, pass_size(batch, j))
         with batch.pass_context(j + 1):
-            hidden = forward(p)
-        if n:
-            tokens = greedy(hidden[:n])
+            hidden = forward(p, n)
+        tokens = greedy(hidden[:n]) if n else tokens[:0]
         out.append(tokens)
-    if n:
-        for row, toks in zip(rows, torch.stack(out, dim=1).tolist()):
-            drafts[row].extend(toks)
+    if rows:
+        per_pass = [t.tolist() for t in out]
+        for i, (row, depth) in enumerate(zip(rows, depths)):
+            drafts[row].extend(per_pass[j][i] for j in range(depth))
     return drafts
 
 
@@ -198,7 +210,7 @@ def chain_grid(
     start = torch.tensor([f.start for f in feeds], dtype=torch.int64)
     out = chain(ids, start, batch.block_table[torch.tensor(rows, dtype=torch.int64)])
     for row, toks in zip(rows, out.tolist()):
-        drafts[row].extend(toks)
+        drafts[row].extend(toks[: batch.num_drafts[row]])  # the chain drafts the deepest length for all
     return drafts
 
 
@@ -212,15 +224,17 @@ def chain_rest(
     """Passes 2..k through a drafting chain after a pass 1 run pass by pass; appends all drafts."""
     rest = chain(batch.block_table[torch.tensor(rows, dtype=torch.int64)])
     for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
-        drafts[row].extend(toks)
+        drafts[row].extend(toks[: batch.num_drafts[row]])  # the chain drafts the deepest length for all
     return drafts
 
 
-def num_passes(batch: ProposeBatch, k: int, anyone_drafts: bool) -> int:
-    """Lockstep: exactly the voted passes. Alone: pass 1 always, the rest only if needed."""
+def num_passes(batch: ProposeBatch, deepest: int, fed: bool = True) -> int:
+    """Lockstep: exactly the voted passes. Alone: pass 1 whenever some request feeds the drafter
+    (the catch-up), then one per draft position of the deepest drafting request; none when nothing
+    is fed (every request is caught up and none drafts)."""
     if batch.pass_sizes is not None:
         return len(batch.pass_sizes)
-    return k if anyone_drafts else 1
+    return max(deepest, 1) if fed else 0
 
 
 def pass_size(batch: ProposeBatch, j: int) -> int | None:

@@ -32,7 +32,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
-from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
+from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer, num_passes
 
 _GIB = 1 << 30
 
@@ -253,14 +253,14 @@ class ModelRunner:
         pass_sizes: tuple[int, ...] | None,
     ) -> list[list[int]]:
         assert self.proposer is not None
-        offsets, num_valid, sampled = [], [], []
+        offsets, num_valid, num_drafts = [], [], []
         offset = 0
         for i, req_id in enumerate(req_ids):
             produced = len(out.sampled_token_ids[i])
             drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
             # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
             num_valid.append(q_lens[i] - drafts + max(produced - 1, 0))
-            sampled.append(produced > 0 and sched.propose_drafts)
+            num_drafts.append(sched.draft_lengths.get(req_id, 0) if produced > 0 else 0)
             offsets.append(offset)
             offset += q_lens[i]
         batch = ProposeBatch(
@@ -268,7 +268,7 @@ class ModelRunner:
             token_ids=[self.requests[r].token_ids for r in req_ids],
             num_computed=num_computed,
             num_valid=num_valid,
-            sampled=sampled,
+            num_drafts=num_drafts,
             block_table=block_table,
             token_offsets=offsets,
             target_hidden=hidden if self.proposer.needs_target_hidden else None,
@@ -276,6 +276,9 @@ class ModelRunner:
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
         )
+        if self.num_lookahead_slots > 0:  # a model drafter's forwards, for the step-cost model (one
+            # more than it runs in a step where no request feeds it: a request's last tokens)
+            out.num_drafter_passes = num_passes(batch, max(num_drafts, default=0))
         return self.proposer.propose(batch)
 
     def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -132,9 +132,9 @@ def test_step_cost_curve() -> None:
     assert not costs.measured
     costs.observe(4, 2.0, 0.0, 0, decode_only=True)
     assert costs.measured
-    # One bucket measured: the prior shape, time ~ rows + PRIOR_FIXED_ROWS through that point.
-    assert costs.step_cost(np.array([4.0, 20.0])).tolist() == pytest.approx(
-        [2.0, 2.0 * (20 + PRIOR_FIXED_ROWS) / (4 + PRIOR_FIXED_ROWS)])
+    # One bucket measured: flat below it, the prior shape (time ~ rows + PRIOR_FIXED_ROWS) above.
+    assert costs.step_cost(np.array([1.0, 4.0, 20.0])).tolist() == pytest.approx(
+        [2.0, 2.0, 2.0 * (20 + PRIOR_FIXED_ROWS) / (4 + PRIOR_FIXED_ROWS)])
     costs.observe(32, 6.0, 0.0, 0, decode_only=True)
     got = costs.step_cost(np.array([4.0, 18.0, 32.0, 64.0]))
     assert got[:3].tolist() == pytest.approx([2.0, 4.0, 6.0])  # measured points, linear between

@@ -20,7 +20,10 @@ Extension fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `add_generation_prompt`,
 `continue_final_message`, `chat_template_kwargs`; and phalanx's own `return_spec_stats`: each choice
 then carries `spec_stats` = {num_draft_tokens, num_accepted_tokens, num_verify_steps,
-mean_acceptance_length} for its sample.
+mean_acceptance_length} for its sample; `speculative` (false: this request never gets drafts, the
+others in its batch keep drafting) and `num_speculative_tokens` (at most j drafts per step,
+0 <= j <= the server's k, checked against the server by ``serving``; on a server without
+speculative decoding only 0 is valid). Neither changes the output, only its speed.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_spec_stats: bool = False
+    speculative: bool = True
+    num_speculative_tokens: Int64 | None = None
 
     def _common_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -126,6 +131,8 @@ class _SamplingFields(_Strict):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "logit_bias": self.logit_bias,
+            "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens,
         }
         for name in (
             "temperature",

@@ -32,7 +32,7 @@ from phalanx.entrypoints.async_llm import AsyncLLM, RequestRejectedError
 from phalanx.entrypoints.openai.prompts import Prompt, PromptPreparer
 from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from phalanx.outputs import CompletionOutput, Logprob, RequestOutput
-from phalanx.sampling_params import SamplingParams
+from phalanx.sampling_params import SamplingParams, speculation_error
 
 
 class APIError(Exception):
@@ -80,6 +80,16 @@ class OpenAIServing:
 
     def _params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
         """Validate the sampling fields and their token ids (before any prompt work); ValueError -> 400."""
+        error = speculation_error(req.num_speculative_tokens, self.engine.num_speculative_tokens)
+        if error is not None:  # the range this server accepts, with the field named
+            raise APIError(400, error, param="num_speculative_tokens")
+        if not req.speculative and req.num_speculative_tokens:
+            raise APIError(
+                400,
+                f"num_speculative_tokens={req.num_speculative_tokens} contradicts speculative=false (no "
+                "drafts); give one or the other",
+                param="num_speculative_tokens",
+            )
         params = req.sampling_params(req.requested_max_tokens())
         params.check_token_ids(self.engine.vocab_size)
         return params

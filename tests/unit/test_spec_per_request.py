@@ -1,0 +1,316 @@
+"""Per-request speculation control and the adaptive draft length, through the offline engine and
+the server's request validation.
+
+* `SamplingParams(speculative=False)` / `num_speculative_tokens=j` mixed at random in one batch:
+  greedy outputs equal plain decoding token for token (fp32, and bf16 on the batch-invariant GEMM
+  path), opted-out requests never get drafts, capped ones at most j per step, the others keep
+  speculating at k — for every drafting method;
+* `"adaptive": true`: lossless the same way; its choices go through the scheduler to the proposer
+  (a good drafter on free rows drafts k, a useless one on costly rows drafts nothing), they are
+  counted in `spec_draft_lengths`, and `disable_by_batch_size` still switches drafting off;
+* invalid values are refused naming the field and the valid range: a ValueError offline, a 400
+  with an OpenAI-style body (`param` set) on /v1/completions and /v1/chat/completions, also on a
+  server without speculative decoding, where `speculative: false` is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx import LLM, SamplingParams
+from phalanx.engine.metrics import ServingMetrics
+from phalanx.spec_decode.config import SpeculativeConfig
+from tests.fake_engine import fake_app
+from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
+from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("per_request")
+    target = make_model("LlamaForCausalLM", root / "target", num_hidden_layers=3)
+    agreeing_target, agreeing_head = make_agreeing_eagle_pair(root / "agree")
+    return {
+        "target": target,
+        "eagle": make_eagle_head(target, root / "eagle", "eagle"),
+        "draft": make_model("LlamaForCausalLM", root / "draft", seed=5, num_hidden_layers=1),
+        "agreeing_target": agreeing_target,
+        "agreeing_head": agreeing_head,
+    }
+
+
+def _prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 8))]
+        out.append({"prompt_token_ids": (base * 4)[: rng.randint(2, 30)]})  # repetitive: n-gram finds matches
+    return out
+
+
+def _mixed_params(n: int, seed: int) -> list[SamplingParams]:
+    """Opt-outs, caps 0..k and uncapped requests mixed at random; greedy."""
+    rng = random.Random(seed)
+    params = []
+    for i in range(n):
+        kind = i % 4 if i < 4 else rng.randrange(4)  # every kind at least once
+        extra: dict[str, Any] = [{"speculative": False}, {"num_speculative_tokens": rng.randint(0, K)}, {},
+                                 {"num_speculative_tokens": 1}][kind]  # fmt: skip
+        params.append(SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 20), ignore_eos=True, **extra))
+    return params
+
+
+def _spec(method: str, models: dict[str, Path], **extra: Any) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1, **extra}
+    return {"model": str(models["target" if method == "self" else method]), "num_speculative_tokens": K,
+            **({"method": "draft_model"} if method in ("self", "draft") else {}), **extra}  # fmt: skip
+
+
+def _spy_drafts(llm: LLM) -> list[tuple[list[str], list[int], list[list[int]]]]:
+    """Record every proposal: (request ids, draft lengths asked for, drafts returned)."""
+    proposer = llm.engine.runner.proposer
+    calls: list[tuple[list[str], list[int], list[list[int]]]] = []
+    propose = proposer.propose
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        drafts = propose(batch)
+        calls.append((list(batch.req_ids), list(batch.num_drafts), [list(d) for d in drafts]))
+        return drafts
+
+    proposer.propose = spy
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype", "adaptive"),
+    [("self", "float32", False), ("eagle", "float32", False), ("ngram", "float32", False),
+     ("eagle", "bfloat16", False), ("self", "float32", True), ("draft", "float32", True), ("ngram", "float32", True),
+     ("eagle", "bfloat16", True), ("self", "bfloat16", True)],
+)  # fmt: skip
+def test_opt_outs_and_caps_are_lossless_and_honoured(method: str, dtype: str, adaptive: bool,
+                                                     models: dict[str, Path]) -> None:
+    prompts, params = _prompts(12, seed=1), _mixed_params(12, seed=2)
+    plain = LLM(str(models["target"]), dtype=dtype, max_num_batched_tokens=96, block_size=8)
+    plain_params = [p.clone(speculative=True, num_speculative_tokens=None) for p in params]  # no drafter here
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, plain_params, use_tqdm=False)]
+    llm = LLM(str(models["target"]), dtype=dtype, max_num_batched_tokens=96, block_size=8,
+              speculative_config=_spec(method, models, adaptive=adaptive))
+    calls = _spy_drafts(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    # The engine's request ids are "0".."11", in prompt order.
+    caps = {str(i): p.draft_cap(K) for i, p in enumerate(params)}
+    for req_ids, wanted, drafts in calls:
+        for rid, n, d in zip(req_ids, wanted, drafts):
+            assert n <= caps[rid] and len(d) <= n, (rid, n, d)
+    for o, p in zip(outs, params):
+        c = o.outputs[0]
+        if p.draft_cap(K) == 0:
+            assert c.num_draft_tokens == 0
+        else:
+            assert c.num_draft_tokens <= p.draft_cap(K) * c.num_verify_steps
+    # Others in the same batches keep speculating at full depth (adaptive: at least some drafts).
+    uncapped = [c for o, p in zip(outs, params) if p.draft_cap(K) == K for c in o.outputs]
+    assert uncapped and sum(c.num_draft_tokens for c in uncapped) > 0
+    if not adaptive and method == "self":  # a self-draft always agrees: full depth while there is room
+        assert any(len(d) == K for _, _, ds in calls for d in ds)
+    # Every length given is counted (0 also for requests that produced no token: prefill chunks).
+    counts = llm.get_metrics()["spec_draft_lengths"]
+    wanted = [n for _, ns, _ in calls for n in ns]
+    assert len(counts) == K + 1 and counts[1:] == [wanted.count(d) for d in range(1, K + 1)]
+    assert 0 < counts[0] <= wanted.count(0)
+
+
+def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
+    """Replace the engine's step timing by a fixed cost model: 1 s + `row_seconds` per row, and
+    `pass_seconds` per drafter pass, so that the adaptive choices are deterministic."""
+    adaptive = llm.engine.adaptive
+    assert adaptive is not None
+    observe = adaptive.observe_step
+
+    def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int, decode_only: bool) -> None:
+        observe(num_rows, 1.0 + row_seconds * num_rows + pass_seconds * drafter_passes, pass_seconds * drafter_passes,
+                drafter_passes, decode_only)
+
+    adaptive.observe_step = fixed  # type: ignore[method-assign]
+
+
+def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str, Path]) -> None:
+    """The agreeing EAGLE pair accepts everything; rows and passes cost almost nothing: every
+    request drafts its full cap (k, or the room left) at every step, exactly the lengths of static
+    drafting, and the output is plain decoding's."""
+    target, head = str(models["agreeing_target"]), str(models["agreeing_head"])
+    prompts = _prompts(4, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLM(target, dtype="float32").generate(prompts, params, use_tqdm=False)
+    lengths = []
+    for adaptive in (False, True):
+        llm = LLM(target, dtype="float32", speculative_config={"model": head, "num_speculative_tokens": K,
+                                                                "adaptive": adaptive})  # fmt: skip
+        if adaptive:
+            _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+        calls = _spy_drafts(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert llm.get_metrics()["spec_mean_acceptance_length"] > 3.0
+        lengths.append([ns for _, ns, _ in calls])
+    assert lengths[1] == lengths[0] and any(K in ns for ns in lengths[0])
+
+
+def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[str, Path]) -> None:
+    """A random draft model (nearly nothing accepted) and rows that cost a whole step each: once
+    the acceptance is measured, nobody drafts; outputs stay exact."""
+    prompts, params = _prompts(6, seed=4), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = LLM(str(models["target"]), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft", models, adaptive=True))
+    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5)
+    calls = _spy_drafts(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    counts = llm.get_metrics()["spec_draft_lengths"]
+    assert counts[0] > 0.8 * sum(counts)  # mostly 0 ...
+    assert all(n == 0 for _, ns, _ in calls[-10:] for n in ns)  # ... and none at the end
+
+
+def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> None:
+    spec = _spec("eagle", models, adaptive=True, disable_by_batch_size=4)
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec, max_num_batched_tokens=512)
+    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+    calls = _spy_drafts(llm)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(9, 25)]
+    outs = llm.generate(_prompts(16, seed=5), params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert any(len(ids) > 4 for ids, _, _ in calls)
+    assert all(n == 0 for ids, ns, _ in calls if len(ids) > 4 for n in ns)
+    assert any(n > 0 for ids, ns, _ in calls if len(ids) <= 4 for n in ns)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_speculative_tokens": -1}, r"num_speculative_tokens must be None or an integer >= 0"),
+        ({"num_speculative_tokens": 1.5}, r"num_speculative_tokens must be None or an integer >= 0"),
+        ({"num_speculative_tokens": True}, r"num_speculative_tokens must be None or an integer >= 0"),
+        ({"speculative": "no"}, r"speculative must be true or false, got 'no'"),
+        ({"speculative": False, "num_speculative_tokens": 2}, r"num_speculative_tokens=2 contradicts speculative=False"),
+    ],
+)
+def test_sampling_params_refuse_bad_speculation_fields(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_speculation_fields_accepted() -> None:
+    assert SamplingParams(speculative=False, num_speculative_tokens=0).draft_cap(3) == 0
+    assert SamplingParams(num_speculative_tokens=2).draft_cap(3) == 2
+    assert SamplingParams(num_speculative_tokens=7).draft_cap(3) == 3  # check_speculation refuses it first
+    assert SamplingParams().draft_cap(3) == 3
+
+
+def test_the_engine_checks_the_cap_against_its_k(models: dict[str, Path]) -> None:
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("ngram", models))
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[0, 3\] .* got 4"):
+        llm.generate(prompt, SamplingParams(num_speculative_tokens=4), use_tqdm=False)
+    assert llm.generate(prompt, SamplingParams(num_speculative_tokens=3, max_tokens=2), use_tqdm=False)[0].finished
+    plain = LLM(str(models["target"]), dtype="float32")
+    with pytest.raises(ValueError, match="without speculative decoding .* got 1"):
+        plain.generate(prompt, SamplingParams(num_speculative_tokens=1), use_tqdm=False)
+    for ok in (SamplingParams(speculative=False, max_tokens=2), SamplingParams(num_speculative_tokens=0, max_tokens=2)):
+        assert plain.generate(prompt, ok, use_tqdm=False)[0].finished
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_adaptive_must_be_a_boolean(value: object, models: dict[str, Path]) -> None:
+    from phalanx.config import ModelConfig
+
+    target = ModelConfig.from_hf(models["target"])
+    with pytest.raises(ValueError, match=f"adaptive must be true or false, got {value!r}"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "adaptive": value}, target)
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "adaptive": True},
+                                       target).adaptive  # fmt: skip
+
+
+# ---- the server's validation ----------------------------------------------------------------------
+TOKENIZER = make_byte_bpe_tokenizer()
+TOKENIZER.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+ENDPOINTS = {"/v1/completions": {"prompt": [5, 6], "max_tokens": 2},
+             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
+
+
+def _serve(k: int, check: Any) -> Any:
+    async def main() -> Any:
+        async with fake_app(TOKENIZER, vocab_size=2048, num_speculative_tokens=k) as (http, engine, _):
+            return await check(http, engine)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_server_accepts_opt_outs_and_caps_and_refuses_the_rest(path: str) -> None:
+    async def check(http: Any, engine: Any) -> None:
+        for extra in ({"speculative": False}, {"num_speculative_tokens": 0}, {"num_speculative_tokens": 3},
+                      {"speculative": True, "num_speculative_tokens": 1}):  # fmt: skip
+            r = await http.post(path, json={**ENDPOINTS[path], **extra})
+            assert r.status_code == 200, (extra, r.text)
+        got = [(r.sampling_params.speculative, r.sampling_params.num_speculative_tokens) for r in engine.added]
+        assert got == [(False, None), (True, 0), (True, 3), (True, 1)]
+        bad = [
+            ({"num_speculative_tokens": 4}, "num_speculative_tokens", "must be in [0, 3]"),
+            ({"num_speculative_tokens": -1}, "num_speculative_tokens", "must be in [0, 3]"),
+            ({"speculative": False, "num_speculative_tokens": 2}, "num_speculative_tokens", "contradicts"),
+            ({"speculative": "maybe"}, "speculative", "speculative"),
+            ({"num_speculative_tokens": 2**70}, "num_speculative_tokens", "num_speculative_tokens"),
+        ]
+        for extra, param, text in bad:
+            r = await http.post(path, json={**ENDPOINTS[path], **extra})
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and text in error["message"], (extra, error)
+            assert error["type"] == "invalid_request_error"
+        assert len(engine.added) == 4  # nothing refused reached the engine
+
+    _serve(3, check)
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_server_without_speculation(path: str) -> None:
+    """`speculative: false` (and a cap of 0) mean what the server does anyway; a cap above 0 is a
+    400 that says the server does not speculate."""
+
+    async def check(http: Any, engine: Any) -> None:
+        for extra in ({"speculative": False}, {"num_speculative_tokens": 0}):
+            r = await http.post(path, json={**ENDPOINTS[path], **extra})
+            assert r.status_code == 200, (extra, r.text)
+        r = await http.post(path, json={**ENDPOINTS[path], "num_speculative_tokens": 2})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == "num_speculative_tokens"
+        assert "without speculative decoding" in error["message"] and "got 2" in error["message"]
+        assert len(engine.added) == 2
+
+    _serve(0, check)
+
+
+def test_draft_length_counts_in_metrics() -> None:
+    """/metrics: phalanx:spec_decode_draft_length{length} counts how often a request reaching its end
+    was given each draft length, per engine rank, from the ranks' cumulative stats."""
+    from phalanx.core.outputs import SchedulerStats
+
+    metrics = ServingMetrics("m")
+    metrics.on_stats(0, SchedulerStats(spec_draft_lengths=[5, 0, 2, 7]))
+    metrics.on_stats(0, SchedulerStats(spec_draft_lengths=[6, 1, 2, 9]))
+    metrics.on_stats(1, SchedulerStats(spec_draft_lengths=[1, 0, 0, 3]))
+    text = metrics.render().decode()
+    for engine, length, value in [("0", "0", 6), ("0", "1", 1), ("0", "3", 9), ("1", "3", 3), ("1", "0", 1)]:
+        line = f'phalanx:spec_decode_draft_length_total{{engine="{engine}",length="{length}",model_name="m"}} {value}.0'
+        assert line in text, (line, [t for t in text.splitlines() if "draft_length" in t])

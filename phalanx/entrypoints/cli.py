@@ -19,8 +19,14 @@ from phalanx.checkpoint import SMOLLM2
 from phalanx.cli_types import json_object_arg
 
 DEFAULT_MODEL = SMOLLM2
-# Speculative decoding `phalanx serve` turns on by itself when it serves DEFAULT_MODEL (None: none).
-DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] | None = None
+# Speculative decoding `phalanx serve` turns on by itself when it serves DEFAULT_MODEL (None: none):
+# its built-in EAGLE-3 head, drafting only while a step holds at most 8 requests (measured on 2
+# cores, docs/train-eagle.md: 1.4-1.8x plain decoding at concurrency 1, 0.87x at 16 if it drafted
+# there). Naming the model (`phalanx serve smollm2-135m-instruct`) serves it without.
+DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] | None = {
+    "method": "eagle3", "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3,
+    "disable_by_batch_size": 8,
+}
 MODEL_HELP = (
     "a Hugging Face checkpoint folder, a .gguf file (or a folder holding one), a hub id (org/name, or "
     "org/name:QUANT for one file of a GGUF repo), or a built-in name (smollm2-135m-instruct, phalanx-math, "
@@ -45,7 +51,9 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Serve a model behind an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
             "/v1/models, /health, /metrics, /version, /tokenize, /detokenize). The engine runs in its own "
-            f"process(es). Without MODEL, serves {DEFAULT_MODEL!r} (fetched once into the cache)."
+            f"process(es). Without MODEL, serves {DEFAULT_MODEL!r} (fetched once into the cache) with its "
+            "built-in EAGLE-3 head unless --speculative-config says otherwise; name the model to serve it "
+            "without."
         ),
         formatter_class=_HelpFormatter,
     )

@@ -1,9 +1,11 @@
 """The scheduler: one rule, a token budget, FCFS admission, preemption by recompute.
 
 Owns: the waiting queue and running list, the per-step token budget, block allocation through
-``KVCacheManager``, preemption, aborts, and applying a step's results to requests (appending
-tokens, stop / length checks, draft acceptance bookkeeping).
-Does not own: tensors, sampling, text, or drafting (it only stores the drafts a proposer returned).
+``KVCacheManager``, preemption, aborts, each sampling request's draft length for the next step
+(`_draft_lengths`: its cap, or the adaptive policy's choice within it), and applying a step's
+results to requests (appending tokens, stop / length checks, draft acceptance bookkeeping).
+Does not own: tensors, sampling, text, drafting (it only stores the drafts a proposer returned), or
+the adaptive policy's estimates (``spec_decode.adaptive``).
 
 The one rule: each step every running request, then each waiting request in arrival order, is
 given `min(num_tokens_with_spec - num_computed_tokens, remaining budget)` tokens. A fresh prompt,

@@ -14,13 +14,15 @@ Numpy only, no torch: the scheduler imports it.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import numpy as np
 
-from phalanx.spec_decode.policy import choose_draft_lengths
+from phalanx.spec_decode.policy import choose_draft_lengths, choose_one_length
 
 # Row-count buckets of the step-cost curve: [1, 2), [2, 3), [3, 4), [4, 6), ... up to 4096 and beyond.
-_EDGES = np.array([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-                   3072, 4096], dtype=np.float64)  # fmt: skip
+_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
@@ -48,38 +50,42 @@ class AcceptanceStats:
         self.k = k
         self.prior, self.prior_weight, self.request_weight = prior, prior_weight, request_weight
         self.request_decay, self.engine_decay = request_decay, engine_decay
-        self.engine_tested = np.zeros(k)  # [k]
-        self.engine_accepted = np.zeros(k)  # [k]
-        self._tested: dict[str, np.ndarray] = {}  # req_id -> [k]
-        self._accepted: dict[str, np.ndarray] = {}  # req_id -> [k]
+        # Plain Python floats: a handful per verification, cheaper than numpy calls at this size.
+        self.engine_tested = [0.0] * k
+        self.engine_accepted = [0.0] * k
+        self._counts: dict[str, tuple[list[float], list[float]]] = {}  # req_id -> (tested, accepted)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        tested = np.arange(self.k) < min(num_accepted + 1, num_drafts)  # [k]
-        accepted = np.arange(self.k) < num_accepted  # [k]
-        t = self._tested.setdefault(req_id, np.zeros(self.k))
-        a = self._accepted.setdefault(req_id, np.zeros(self.k))
-        t *= self.request_decay
-        a *= self.request_decay
-        t += tested
-        a += accepted
-        self.engine_tested = self.engine_tested * self.engine_decay + tested
-        self.engine_accepted = self.engine_accepted * self.engine_decay + accepted
+        tested_upto = min(num_accepted + 1, num_drafts)
+        tested, accepted = self._counts.setdefault(req_id, ([0.0] * self.k, [0.0] * self.k))
+        d, e = self.request_decay, self.engine_decay
+        for j in range(self.k):
+            t_j, a_j = float(j < tested_upto), float(j < num_accepted)
+            tested[j] = tested[j] * d + t_j
+            accepted[j] = accepted[j] * d + a_j
+            self.engine_tested[j] = self.engine_tested[j] * e + t_j
+            self.engine_accepted[j] = self.engine_accepted[j] * e + a_j
 
     def forget(self, req_id: str) -> None:
-        self._tested.pop(req_id, None)
-        self._accepted.pop(req_id, None)
+        self._counts.pop(req_id, None)
 
-    def engine_rates(self) -> np.ndarray:  # [k]
-        w = self.prior_weight
-        return (self.engine_accepted + w * self.prior) / (self.engine_tested + w)
+    def engine_rates(self) -> list[float]:  # [k]
+        w, p = self.prior_weight, self.prior
+        return [(a + w * p) / (t + w) for t, a in zip(self.engine_tested, self.engine_accepted)]
+
+    def rates_of(self, req_id: str, base: list[float] | None = None) -> list[float]:  # [k]
+        """One request's conditional acceptance per position (`base`: the engine-wide rates)."""
+        base = self.engine_rates() if base is None else base
+        counts = self._counts.get(req_id)
+        if counts is None:
+            return base
+        w = self.request_weight
+        return [(a + w * b) / (t + w) for t, a, b in zip(counts[0], counts[1], base)]
 
     def rates(self, req_ids: list[str]) -> np.ndarray:  # [R, k] conditional acceptance per position
-        base = self.engine_rates()  # [k]
-        w = self.request_weight
-        zeros = np.zeros(self.k)
-        tested = np.stack([self._tested.get(r, zeros) for r in req_ids]) if req_ids else np.zeros((0, self.k))
-        accepted = np.stack([self._accepted.get(r, zeros) for r in req_ids]) if req_ids else np.zeros((0, self.k))
-        return (accepted + w * base[None, :]) / (tested + w)  # [R, k]
+        base = self.engine_rates()
+        rows = [self.rates_of(r, base) for r in req_ids]
+        return np.array(rows, dtype=np.float64).reshape(len(req_ids), self.k)
 
 
 class StepCostModel:
@@ -97,15 +103,19 @@ class StepCostModel:
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self._rows = np.zeros(len(_EDGES))  # [B] EMA of the rows of steps in each bucket
-        self._time = np.zeros(len(_EDGES))  # [B] EMA of their time
-        self._seen = np.zeros(len(_EDGES), dtype=bool)  # [B]
+        self._rows: list[float | None] = [None] * len(_EDGES)  # EMA of the rows of steps in each bucket
+        self._time = [0.0] * len(_EDGES)  # EMA of their time
         self.pass_cost = 0.0
         self._pass_seen = False
+        # The curve as it stands (rebuilt after each step): measured rows ascending, their times
+        # made non-decreasing, the slopes below / above them, the floor below.
+        self._xs: list[float] = []
+        self._ys: list[float] = []
+        self._lo_slope = self._hi_slope = self._floor = 0.0
 
     @property
     def measured(self) -> bool:
-        return bool(self._seen.any())
+        return bool(self._xs)
 
     def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                 decode_only: bool) -> None:
@@ -114,30 +124,51 @@ class StepCostModel:
         if num_rows <= 0 or seconds <= 0:
             return
         extra = drafter_seconds * (drafter_passes - 1) / drafter_passes if drafter_passes > 1 else 0.0
-        b = int(np.searchsorted(_EDGES, num_rows, side="right")) - 1
-        if self._seen[b]:
-            self._rows[b] += self.alpha * (num_rows - self._rows[b])
+        b = bisect.bisect_right(_EDGES, num_rows) - 1
+        rows = self._rows[b]
+        if rows is not None:
+            self._rows[b] = rows + self.alpha * (num_rows - rows)
             self._time[b] += self.alpha * (seconds - extra - self._time[b])
         else:
-            self._rows[b], self._time[b], self._seen[b] = num_rows, seconds - extra, True
+            self._rows[b], self._time[b] = float(num_rows), seconds - extra
         if decode_only and drafter_passes > 0:
             per_pass = drafter_seconds / drafter_passes
             self.pass_cost = per_pass if not self._pass_seen else self.pass_cost + self.alpha * (per_pass - self.pass_cost)
             self._pass_seen = True
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        xs = [x for x in self._rows if x is not None]  # ascending: the buckets are ordered
+        ys = list(itertools.accumulate((max(t, 1e-9) for x, t in zip(self._rows, self._time) if x is not None), max))
+        self._xs, self._ys = xs, ys  # more rows never take less time (running maximum)
+        if len(xs) > 1:
+            self._lo_slope = (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)
+            self._hi_slope = max((ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9), ys[-1] / (xs[-1] + PRIOR_FIXED_ROWS))
+        self._floor = ys[0] * PRIOR_FIXED_ROWS / (xs[0] + PRIOR_FIXED_ROWS)  # the prior's fixed part
+
+    def cost_at(self, rows: float) -> float:
+        """Predicted seconds of a step of `rows` rows (plain Python: a few points at a time)."""
+        assert self.measured, "no step measured yet"
+        xs, ys = self._xs, self._ys
+        if len(xs) == 1:  # fewer rows: no saving assumed; more rows: the prior shape
+            return ys[0] * max(rows + PRIOR_FIXED_ROWS, xs[0] + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
+        if rows < xs[0]:
+            return max(ys[0] + self._lo_slope * (rows - xs[0]), self._floor)
+        if rows > xs[-1]:
+            return ys[-1] + self._hi_slope * (rows - xs[-1])
+        i = min(bisect.bisect_right(xs, rows) - 1, len(xs) - 2)
+        return ys[i] + (ys[i + 1] - ys[i]) * (rows - xs[i]) / (xs[i + 1] - xs[i])
 
     def step_cost(self, rows: np.ndarray) -> np.ndarray:  # [n] rows -> [n] predicted seconds
+        """`cost_at` for many rows at once."""
         assert self.measured, "no step measured yet"
-        xs, ys = self._rows[self._seen], self._time[self._seen]  # [b] ascending rows (buckets are ordered)
-        ys = np.maximum.accumulate(np.maximum(ys, 1e-9))  # more rows never take less time
+        xs, ys = np.asarray(self._xs), np.asarray(self._ys)  # [b]
         rows = np.asarray(rows, dtype=np.float64)
-        if xs.shape[0] == 1:  # fewer rows: no saving assumed; more rows: the prior shape
+        if xs.shape[0] == 1:
             return ys[0] * np.maximum(rows + PRIOR_FIXED_ROWS, xs[0] + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
         out = np.interp(rows, xs, ys)
-        lo_slope = (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)
-        hi_slope = max((ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9), ys[-1] / (xs[-1] + PRIOR_FIXED_ROWS))
-        floor = ys[0] * PRIOR_FIXED_ROWS / (xs[0] + PRIOR_FIXED_ROWS)  # the prior's fixed part
-        out = np.where(rows < xs[0], np.maximum(ys[0] + lo_slope * (rows - xs[0]), floor), out)
-        return np.where(rows > xs[-1], ys[-1] + hi_slope * (rows - xs[-1]), out)
+        out = np.where(rows < xs[0], np.maximum(ys[0] + self._lo_slope * (rows - xs[0]), self._floor), out)
+        return np.where(rows > xs[-1], ys[-1] + self._hi_slope * (rows - xs[-1]), out)
 
 
 class AdaptiveDrafting:
@@ -157,9 +188,13 @@ class AdaptiveDrafting:
         request gets its cap (static drafting), which is also what gives the first measurements."""
         if not req_ids or not self.costs.measured or max(caps, default=0) == 0:
             return list(caps)
+        pass_cost = self.costs.pass_cost if self.drafter_passes else 0.0
+        if len(req_ids) == 1:  # concurrency 1: a millisecond step, no numpy
+            cap = min(caps[0], self.k)
+            step_cost = [self.costs.cost_at(base_rows + m) for m in range(cap + 1)]
+            return [choose_one_length(self.acceptance.rates_of(req_ids[0]), cap, step_cost, pass_cost)]
         caps_arr = np.minimum(np.asarray(caps, dtype=np.int64), self.k)
         step_cost = self.costs.step_cost(base_rows + np.arange(int(caps_arr.sum()) + 1))
-        pass_cost = self.costs.pass_cost if self.drafter_passes else 0.0
         return choose_draft_lengths(self.acceptance.rates(req_ids), caps_arr, step_cost, pass_cost).tolist()
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:

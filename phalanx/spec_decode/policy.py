@@ -1,7 +1,8 @@
 """The adaptive draft-length policy: a pure function from acceptance estimates and step costs to
 each request's draft length for the next step.
 
-Owns: `choose_draft_lengths` (the decision) and `expected_tokens` (its objective's numerator).
+Owns: `choose_draft_lengths` (the decision), `choose_one_length` (the same for one request, in
+plain Python) and `expected_tokens` (the objective's numerator).
 Does not own: measuring anything (``spec_decode.adaptive`` keeps the running acceptance counts and
 the step-cost curve), applying caps from the request or the batch (``core.scheduler``), or how
 ranks in lockstep agree on the drafter passes (the vote: ``distributed.vote``).
@@ -26,8 +27,9 @@ Why the search is exact and small. For a fixed largest depth D and a fixed numbe
 the time is fixed, so the best choice is the m largest gains among positions j <= min(cap_i, D);
 since g_ij never increases with j, those m positions are a prefix of each request's positions
 (ties are broken towards the earlier position), i.e. valid draft lengths. Every vector d is
-dominated by the (D = max d, m = sum d) candidate, so the best over all (D, m) is the optimum:
-k sorts of at most R * k gains per step.
+dominated by the (D = max d, m = sum d) candidate, so the best over all (D, m) is the optimum.
+Restricted to j <= D the gains keep one order for every D, so one sort of the R * k gains and one
+[k, R * k] cumulative sum cover every candidate (about 20 numpy operations a step).
 """
 
 from __future__ import annotations
@@ -62,22 +64,44 @@ def choose_draft_lengths(
         return lengths
     if step_cost.shape[0] < int(caps.sum()) + 1:
         raise ValueError(f"step_cost needs {int(caps.sum()) + 1} entries (0..sum of caps), got {step_cost.shape[0]}")
+    # Every allowed position once, largest gain first (earlier position on ties): for each depth D
+    # the allowed positions j <= D keep this order, so one sort serves every D.
     gains = np.cumprod(np.clip(accept, 0.0, 1.0), axis=1)  # [R, k] non-increasing along each row
-    position = np.broadcast_to(np.arange(1, k + 1), (num_reqs, k))  # [R, k] draft position j
-    best_ratio = num_reqs / float(step_cost[0])
-    best: tuple[np.ndarray, np.ndarray] | None = None  # (request of each chosen position, order)
-    for depth in range(1, max_depth + 1):
-        allowed = position <= np.minimum(caps, depth)[:, None]  # [R, k]
-        g = gains[allowed]  # [n] row-major: request by request, positions ascending
-        order = np.lexsort((position[allowed], -g))  # largest gain first, earlier position on ties
-        total = np.concatenate(([0.0], np.cumsum(g[order])))  # [n + 1] gain of the best m positions
-        ratio = (num_reqs + total) / (step_cost[: total.shape[0]] + pass_cost * (depth - 1))  # [n + 1]
-        m = int(np.argmax(ratio))  # the first maximum: fewest rows
-        if ratio[m] > best_ratio * (1.0 + 1e-12):
-            best_ratio = float(ratio[m])
-            rows = np.nonzero(allowed)[0]  # [n] request of each allowed position
-            best = (rows, order[:m])
-    if best is not None:
-        rows, chosen = best
-        np.add.at(lengths, rows[chosen], 1)  # a prefix of each request's positions: its length
+    position = np.arange(1, k + 1)  # [k]
+    allowed = position[None, :] <= caps[:, None]  # [R, k]
+    g, pos = gains[allowed], np.broadcast_to(position, (num_reqs, k))[allowed]  # [n] each
+    order = np.lexsort((pos, -g))
+    g, pos = g[order], pos[order]
+    depths = np.arange(1, max_depth + 1)  # [D]
+    within = pos[None, :] <= depths[:, None]  # [D, n]: position usable at depth cap D
+    rows = np.cumsum(within, axis=1)  # [D, n] draft rows m after taking items 0..t at depth cap D
+    total = np.cumsum(np.where(within, g[None, :], 0.0), axis=1)  # [D, n] their gain
+    ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depths[:, None] - 1))  # [D, n]
+    best = int(np.argmax(ratio))  # the first maximum: fewest passes, then fewest rows
+    if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + 1e-12):
+        return lengths  # drafting nothing is at least as good
+    d, t = divmod(best, ratio.shape[1])
+    chosen = np.nonzero(allowed)[0][order[: t + 1][within[d, : t + 1]]]  # request of each chosen position
+    np.add.at(lengths, chosen, 1)  # a prefix of each request's positions: its length
     return lengths
+
+
+def choose_one_length(
+    accept: list[float],  # [k] conditional acceptance rate per draft position
+    cap: int,  # the most drafts the request may get
+    step_cost: list[float],  # [cap + 1] step time with m draft rows
+    pass_cost: float,
+) -> int:
+    """`choose_draft_lengths` for a single request (R = 1), the same choice computed the same way
+    in plain Python: at concurrency 1 a step can take a millisecond, and twenty numpy calls would
+    be a visible share of it."""
+    baseline = 1.0 / step_cost[0]
+    best, best_ratio = 0, -1.0
+    gain, total = 1.0, 0.0
+    for d in range(1, min(cap, len(accept)) + 1):
+        gain *= min(max(accept[d - 1], 0.0), 1.0)
+        total += gain
+        ratio = (1 + total) / (step_cost[d] + pass_cost * (d - 1))
+        if ratio > best_ratio:  # the first maximum: the shortest length
+            best, best_ratio = d, ratio
+    return best if best_ratio > baseline * (1.0 + 1e-12) else 0

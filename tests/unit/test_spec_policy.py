@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from phalanx.spec_decode.adaptive import PRIOR_FIXED_ROWS, AcceptanceStats, AdaptiveDrafting, StepCostModel
-from phalanx.spec_decode.policy import choose_draft_lengths, expected_tokens
+from phalanx.spec_decode.policy import choose_draft_lengths, choose_one_length, expected_tokens
 
 
 def _ratio(accept: np.ndarray, lengths: np.ndarray, step_cost: np.ndarray, pass_cost: float) -> float:
@@ -56,6 +56,15 @@ def test_the_choice_is_the_brute_force_optimum(problem) -> None:  # noqa: ANN001
         _ratio(accept, np.array(d), step_cost, pass_cost) for d in itertools.product(*(range(c + 1) for c in caps))
     )
     assert _ratio(accept, lengths, step_cost, pass_cost) >= best * (1 - 1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_problems())
+def test_the_one_request_path_chooses_the_same(problem) -> None:  # noqa: ANN001
+    """`choose_one_length` (plain Python, concurrency 1) == `choose_draft_lengths` for R = 1."""
+    accept, caps, step_cost, pass_cost = problem
+    one = choose_one_length(accept[0].tolist(), int(caps[0]), step_cost[: int(caps[0]) + 1].tolist(), pass_cost)
+    assert one == int(choose_draft_lengths(accept[:1], caps[:1], step_cost, pass_cost)[0])
 
 
 @settings(max_examples=100, deadline=None)
@@ -110,7 +119,7 @@ def test_acceptance_rates_are_conditional_per_position() -> None:
     assert rates[2] == pytest.approx(0.5)  # never tested: the engine-wide prior
     stats.observe("b", 2, 2)  # both accepted; no third draft, so position 3 is not tested
     decayed = sum(0.995**i for i in range(1, 6))  # "a"'s five tests, decayed once per later observation
-    assert stats.engine_tested.tolist() == pytest.approx([decayed + 1, decayed + 1, 0.0])
+    assert stats.engine_tested == pytest.approx([decayed + 1, decayed + 1, 0.0])
 
 
 def test_a_new_request_starts_from_the_engine_wide_rate_and_follows_its_own() -> None:
@@ -123,7 +132,7 @@ def test_a_new_request_starts_from_the_engine_wide_rate_and_follows_its_own() ->
         stats.observe("bad", 2, 0)  # this one never accepts
     assert stats.rates(["bad"])[0][0] < 0.2
     stats.forget("bad")  # forgotten: back to the engine-wide rate (which its rejections lowered)
-    assert stats.rates(["bad"])[0].tolist() == pytest.approx(stats.engine_rates().tolist())
+    assert stats.rates(["bad"])[0].tolist() == pytest.approx(stats.engine_rates())
     assert 0.5 < stats.engine_rates()[0] < 0.9
 
 
@@ -141,6 +150,18 @@ def test_step_cost_curve() -> None:
     assert got[3] == pytest.approx(6.0 + 32 * 4.0 / 28)  # along the last segment beyond them
     costs.observe(64, 1.0, 0.0, 0, decode_only=True)  # a noisy fast step: the curve never decreases
     assert (np.diff(costs.step_cost(np.arange(1.0, 100.0))) >= -1e-12).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(1, 5000), st.floats(1e-4, 1.0)), min_size=1, max_size=30),
+       rows=st.lists(st.floats(0.0, 6000.0), min_size=1, max_size=20))
+def test_the_scalar_and_vector_curves_agree(steps, rows) -> None:  # noqa: ANN001
+    costs = StepCostModel()
+    for n, seconds in steps:
+        costs.observe(n, seconds, 0.0, 0, decode_only=True)
+    vector = costs.step_cost(np.array(rows))
+    assert vector.tolist() == pytest.approx([costs.cost_at(r) for r in rows], rel=1e-9)
+    assert (vector > 0).all()
 
 
 def test_drafter_passes_after_the_first_are_costed_apart() -> None:

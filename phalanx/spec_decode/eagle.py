@@ -34,6 +34,7 @@ from phalanx.spec_decode.proposer import (
     drafter_room,
     num_passes,
     pass_size,
+    same_depth,
     uniform_grid,
 )
 
@@ -108,7 +109,7 @@ class EagleProposer:
             features = self.head.fuse([a[index] for a in batch.target_aux])
         else:
             features = batch.target_hidden[index]
-        chains = self._chains(batch)
+        chains = self._chains(batch) and same_depth(batch, feeds, drafting)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.head.draft_chain(

@@ -228,6 +228,14 @@ def chain_rest(
     return drafts
 
 
+def same_depth(batch: ProposeBatch, feeds: list, drafting: list[int]) -> bool:
+    """Whether every drafting request drafts equally deep. A drafting chain runs all its passes for
+    every row it holds, writing the drafter's KV at each pass; the pass-by-pass path feeds pass j
+    only the requests drafting that deep. Only when the depths agree do both write the same KV."""
+    depths = {batch.num_drafts[feeds[f].row] for f in drafting}
+    return len(depths) <= 1
+
+
 def num_passes(batch: ProposeBatch, deepest: int, fed: bool = True) -> int:
     """Lockstep: exactly the voted passes. Alone: pass 1 whenever some request feeds the drafter
     (the catch-up), then one per draft position of the deepest drafting request; none when nothing

@@ -181,9 +181,10 @@ def test_drafting_chain_drafts_and_writes_what_the_passes_do(method: str, num_se
 
 def _run_spec(target: Path, head: Path, method: str, prompts: list, params: list, chain: bool) -> tuple:
     """(outputs, drafts per step, the head's KV caches, (the grid width q of each chain call, the
-    drafter passes run in Python in steps where every request drafts: a request left without room
-    before max_tokens gets no drafts, and a step where some fed request does not draft runs pass 1
-    in Python))."""
+    drafter passes run in Python in steps where every request drafts equally deep: a request left
+    without room before max_tokens drafts fewer tokens or none, a step where some fed request does not
+    draft runs pass 1 in Python, and a step whose requests draft to different depths runs every pass
+    in Python, since a chain writes the drafter's KV at every pass for every row))."""
     llm = LLM(str(target), dtype="bfloat16", max_num_seqs=len(prompts), enable_prefix_caching=False, num_kv_blocks=64,
               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": 3})
     proposer = llm.engine.runner.proposer
@@ -191,14 +192,14 @@ def _run_spec(target: Path, head: Path, method: str, prompts: list, params: list
     assert drafter.chain_form() is not None
     drafts, grids, passes = [], [], []
     real_propose, real_chain, real_run = proposer.propose, drafter.draft_chain, proposer._run
-    drafting = [False]  # whether every request of the current step drafts
+    drafting = [False]  # whether every request of the current step drafts, all equally deep
     proposer._run = lambda *a: (passes.append(1) if drafting[0] else None) or real_run(*a)
     q_arg = 2 if method == "draft_model" else 3  # draft_chain(ids, [feed,] start, q, ...)
     if chain:
         drafter.draft_chain = lambda *a: grids.append(a[q_arg]) or real_chain(*a)
     else:
         proposer._chains = lambda batch: False
-    proposer.propose = lambda batch: (drafting.__setitem__(0, all(batch.num_drafts))
+    proposer.propose = lambda batch: (drafting.__setitem__(0, all(batch.num_drafts) and len(set(batch.num_drafts)) == 1)
                                       or drafts.append(real_propose(batch)) or drafts[-1])
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     return outs, drafts, [c.clone() for c in proposer.kv_caches], (grids, len(passes))

@@ -31,9 +31,9 @@ from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, Eng
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.recovery import RecoveryConfig
 from phalanx.engine.tokenizer import eos_token_ids_of, load_tokenizer
-from phalanx.net import ephemeral_port_range
 from phalanx.entrypoints.async_llm import AsyncLLM
 from phalanx.entrypoints.openai.server import build_app, make_state
+from phalanx.net import ephemeral_port_range
 
 logger = logging.getLogger("phalanx.server")
 

@@ -6,7 +6,6 @@ and n-gram speculation on the same server reporting its acceptance.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

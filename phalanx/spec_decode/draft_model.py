@@ -39,7 +39,6 @@ from phalanx.spec_decode.proposer import (
     drafter_room,
     num_passes,
     pass_size,
-    same_depth,
     uniform_grid,
 )
 
@@ -119,7 +118,7 @@ class DraftModelProposer:
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         if passes == 0:
             return drafts
-        chains = self._chains(batch) and same_depth(batch, feeds, drafting)
+        chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call (bitwise the same)
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(

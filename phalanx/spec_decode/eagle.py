@@ -34,7 +34,6 @@ from phalanx.spec_decode.proposer import (
     drafter_room,
     num_passes,
     pass_size,
-    same_depth,
     uniform_grid,
 )
 
@@ -109,7 +108,7 @@ class EagleProposer:
             features = self.head.fuse([a[index] for a in batch.target_aux])
         else:
             features = batch.target_hidden[index]
-        chains = self._chains(batch) and same_depth(batch, feeds, drafting)
+        chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.head.draft_chain(

@@ -191,6 +191,15 @@ def draft_rest(
     return drafts
 
 
+# Drafting chains and draft lengths. A chain runs all its passes for every row it holds, so with
+# requests of different lengths it drafts the deepest length for all of them and keeps each one's
+# own (`chain_grid`, `chain_rest`); the pass-by-pass path feeds pass j only the requests drafting
+# that deep. The drafts are the same; the chain also writes the drafter's KV one position past a
+# shorter request's drafts per extra pass. Those positions are at or past the request's next
+# `num_computed`, where the next step's catch-up writes the drafter's KV before any pass reads it
+# (a pass reads only earlier positions), exactly like the KV of rejected drafts.
+
+
 def uniform_grid(feeds: list[Feed], drafting: list[int]) -> int:
     """q when every fed request drafts and feeds the same q positions (pass 1 is one [R, q] grid,
     so a drafting chain can run all passes in one call); 0 otherwise."""
@@ -226,14 +235,6 @@ def chain_rest(
     for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
         drafts[row].extend(toks[: batch.num_drafts[row]])  # the chain drafts the deepest length for all
     return drafts
-
-
-def same_depth(batch: ProposeBatch, feeds: list, drafting: list[int]) -> bool:
-    """Whether every drafting request drafts equally deep. A drafting chain runs all its passes for
-    every row it holds, writing the drafter's KV at each pass; the pass-by-pass path feeds pass j
-    only the requests drafting that deep. Only when the depths agree do both write the same KV."""
-    depths = {batch.num_drafts[feeds[f].row] for f in drafting}
-    return len(depths) <= 1
 
 
 def num_passes(batch: ProposeBatch, deepest: int, fed: bool = True) -> int:

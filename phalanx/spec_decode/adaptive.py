@@ -19,10 +19,13 @@ import itertools
 
 import numpy as np
 
-from phalanx.spec_decode.policy import choose_draft_lengths, choose_one_length
+from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small
 
 # Row-count buckets of the step-cost curve: [1, 2), [2, 3), [3, 4), [4, 6), ... up to 4096 and beyond.
 _EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+# Up to this many candidate positions (requests x k) the policy runs in plain Python (faster than
+# numpy's per-call overhead at that size), above it in numpy: the same choice either way.
+SMALL_PROBLEM = 16
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
@@ -189,10 +192,12 @@ class AdaptiveDrafting:
         if not req_ids or not self.costs.measured or max(caps, default=0) == 0:
             return list(caps)
         pass_cost = self.costs.pass_cost if self.drafter_passes else 0.0
-        if len(req_ids) == 1:  # concurrency 1: a millisecond step, no numpy
-            cap = min(caps[0], self.k)
-            step_cost = [self.costs.cost_at(base_rows + m) for m in range(cap + 1)]
-            return [choose_one_length(self.acceptance.rates_of(req_ids[0]), cap, step_cost, pass_cost)]
+        if len(req_ids) * self.k <= SMALL_PROBLEM:  # low concurrency: short steps, no numpy
+            caps = [min(c, self.k) for c in caps]
+            step_cost = [self.costs.cost_at(base_rows + m) for m in range(sum(caps) + 1)]
+            base = self.acceptance.engine_rates()
+            rates = [self.acceptance.rates_of(r, base) for r in req_ids]
+            return choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
         caps_arr = np.minimum(np.asarray(caps, dtype=np.int64), self.k)
         step_cost = self.costs.step_cost(base_rows + np.arange(int(caps_arr.sum()) + 1))
         return choose_draft_lengths(self.acceptance.rates(req_ids), caps_arr, step_cost, pass_cost).tolist()

@@ -1,8 +1,8 @@
 """The adaptive draft-length policy: a pure function from acceptance estimates and step costs to
 each request's draft length for the next step.
 
-Owns: `choose_draft_lengths` (the decision), `choose_one_length` (the same for one request, in
-plain Python) and `expected_tokens` (the objective's numerator).
+Owns: `choose_draft_lengths` (the decision), `choose_draft_lengths_small` (the same for a few
+requests, in plain Python) and `expected_tokens` (the objective's numerator).
 Does not own: measuring anything (``spec_decode.adaptive`` keeps the running acceptance counts and
 the step-cost curve), applying caps from the request or the batch (``core.scheduler``), or how
 ranks in lockstep agree on the drafter passes (the vote: ``distributed.vote``).
@@ -86,22 +86,45 @@ def choose_draft_lengths(
     return lengths
 
 
-def choose_one_length(
-    accept: list[float],  # [k] conditional acceptance rate per draft position
-    cap: int,  # the most drafts the request may get
-    step_cost: list[float],  # [cap + 1] step time with m draft rows
+def choose_draft_lengths_small(
+    accept: list[list[float]],  # [R][k] conditional acceptance rate per draft position
+    caps: list[int],  # [R]
+    step_cost: list[float],  # [sum of caps + 1]
     pass_cost: float,
-) -> int:
-    """`choose_draft_lengths` for a single request (R = 1), the same choice computed the same way
-    in plain Python: at concurrency 1 a step can take a millisecond, and twenty numpy calls would
-    be a visible share of it."""
-    baseline = 1.0 / step_cost[0]
-    best, best_ratio = 0, -1.0
-    gain, total = 1.0, 0.0
-    for d in range(1, min(cap, len(accept)) + 1):
-        gain *= min(max(accept[d - 1], 0.0), 1.0)
-        total += gain
-        ratio = (1 + total) / (step_cost[d] + pass_cost * (d - 1))
-        if ratio > best_ratio:  # the first maximum: the shortest length
-            best, best_ratio = d, ratio
-    return best if best_ratio > baseline * (1.0 + 1e-12) else 0
+) -> list[int]:
+    """`choose_draft_lengths` for a few requests, the same choice computed the same way (the same
+    order, the same sums, the same ties) in plain Python: at low concurrency a step can take a
+    millisecond or two, and twenty numpy calls would be a visible share of it."""
+    num_reqs = len(accept)
+    k = len(accept[0]) if accept else 0
+    gains: list[float] = []  # allowed positions, request by request, positions ascending
+    pos: list[int] = []
+    owner: list[int] = []
+    for i, (row, cap) in enumerate(zip(accept, caps)):
+        g = 1.0
+        for j in range(min(cap, k)):
+            g = g * min(max(row[j], 0.0), 1.0) if j else min(max(row[j], 0.0), 1.0)
+            gains.append(g)
+            pos.append(j + 1)
+            owner.append(i)
+    lengths = [0] * num_reqs
+    if not gains:
+        return lengths
+    order = sorted(range(len(gains)), key=lambda t: (-gains[t], pos[t]))  # stable, like np.lexsort
+    best_ratio, best = -1.0, (0, -1)
+    for depth in range(1, max(pos) + 1):
+        rows, total = 0, 0.0
+        for t, item in enumerate(order):
+            if pos[item] <= depth:
+                rows += 1
+                total += gains[item]
+            ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depth - 1))
+            if ratio > best_ratio:  # the first maximum: fewest passes, then fewest rows
+                best_ratio, best = ratio, (depth, t)
+    if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + 1e-12):
+        return lengths
+    depth, last = best
+    for item in order[: last + 1]:
+        if pos[item] <= depth:
+            lengths[owner[item]] += 1
+    return lengths

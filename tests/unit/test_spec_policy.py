@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from phalanx.spec_decode.adaptive import PRIOR_FIXED_ROWS, AcceptanceStats, AdaptiveDrafting, StepCostModel
-from phalanx.spec_decode.policy import choose_draft_lengths, choose_one_length, expected_tokens
+from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, expected_tokens
 
 
 def _ratio(accept: np.ndarray, lengths: np.ndarray, step_cost: np.ndarray, pass_cost: float) -> float:
@@ -60,11 +60,11 @@ def test_the_choice_is_the_brute_force_optimum(problem) -> None:  # noqa: ANN001
 
 @settings(max_examples=300, deadline=None)
 @given(_problems())
-def test_the_one_request_path_chooses_the_same(problem) -> None:  # noqa: ANN001
-    """`choose_one_length` (plain Python, concurrency 1) == `choose_draft_lengths` for R = 1."""
+def test_the_plain_python_path_chooses_the_same(problem) -> None:  # noqa: ANN001
+    """`choose_draft_lengths_small` (plain Python, low concurrency) == `choose_draft_lengths`."""
     accept, caps, step_cost, pass_cost = problem
-    one = choose_one_length(accept[0].tolist(), int(caps[0]), step_cost[: int(caps[0]) + 1].tolist(), pass_cost)
-    assert one == int(choose_draft_lengths(accept[:1], caps[:1], step_cost, pass_cost)[0])
+    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost)
+    assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost).tolist()
 
 
 @settings(max_examples=100, deadline=None)

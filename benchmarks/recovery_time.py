@@ -31,13 +31,8 @@ from pathlib import Path
 
 import httpx
 
-CONFIGS = {
-    "dense": ("phalanx-math", ["-dp", "2", "--speculative-config",
-                               '{"method": "eagle", "model": "phalanx-math-eagle", "num_speculative_tokens": 3}']),
-    "moe": ("phalanx-math-moe", ["-dp", "2", "--enable-expert-parallel", "--speculative-config",
-                                 '{"method": "draft_model", "model": "phalanx-math-moe-draft", '
-                                 '"num_speculative_tokens": 3}']),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import CONFIGS  # noqa: E402 - the same served configurations as the soak
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, shown: asyncio.Event,

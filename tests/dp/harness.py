@@ -24,6 +24,16 @@ class RankJob:
     skip_drafter_for_test: bool = False
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][:1] != "Z"
+
+
 def _rank_main(rank: int, size: int, port: int, llm_kwargs: dict, par_kwargs: dict, job: RankJob,
                results: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")

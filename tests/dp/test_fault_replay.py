@@ -35,6 +35,7 @@ from phalanx.checkpoint import resolve_model_path
 from phalanx.engine.core_process import STEP_DELAY_ENV
 from phalanx.engine.fault_injection import KILL_AT_ENV
 from phalanx.engine.tokenizer import load_tokenizer
+from tests.dp.harness import process_alive
 from tests.e2e.conftest import MODEL_NAME, ServerProcess, start_server
 from tests.e2e.test_server_lifecycle import gauge_sum, metrics, wait_for
 from tests.tiny_models import make_model
@@ -133,15 +134,6 @@ def _pid_of(server: ServerProcess, rank: int) -> int:
     return int(re.findall(rf"engine rank {rank} ready \(pid (\d+)", server.log())[-1])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
-        return f.read().split(") ")[-1][:1] != "Z"
-
-
 def _value(base_url: str, name: str, **labels: str) -> float:
     want = tuple(sorted(labels.items()))
     return sum(v for (n, lab), v in metrics(base_url).items() if n == name and all(x in lab for x in want))
@@ -164,7 +156,7 @@ def _both_ready(base_url: str) -> None:
 def _stop_and_check_no_orphans(server: ServerProcess) -> None:
     pids = server.engine_pids()  # every process any rank ever had
     assert server.stop() == 0, server.log()[-3000:]
-    wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every engine process gone")
+    wait_for(lambda: not any(process_alive(p) for p in pids), timeout=30, what="every engine process gone")
 
 
 def test_dense_ranks_with_eagle_survive_kills_in_prefill_drafter_and_idle(tmp_path: Path) -> None:
@@ -274,4 +266,4 @@ def test_a_rank_past_its_budget_is_given_up_then_the_last_one_fails_fast(tmp_pat
     finally:
         pids = server.engine_pids()
         server.stop()
-        wait_for(lambda: not any(_alive(p) for p in pids), timeout=30, what="every engine process gone")
+        wait_for(lambda: not any(process_alive(p) for p in pids), timeout=30, what="every engine process gone")

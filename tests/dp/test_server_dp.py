@@ -28,6 +28,7 @@ import pytest
 from phalanx import LLM, SamplingParams
 from phalanx.engine.core_process import STEP_DELAY_ENV
 from phalanx.net import free_listen_ports
+from tests.dp.harness import process_alive
 from tests.e2e.conftest import MODEL_NAME, serve_command, start_server
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
@@ -302,15 +303,7 @@ def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Pat
     assert "engine rank" in log and ("exited" in log or "failed" in log)
 
     # The surviving rank is gone too: no orphans.
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
-            return f.read().split(") ")[-1][:1] != "Z"
-
     deadline = time.monotonic() + 60
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"engine ranks left behind: {[p for p in pids if alive(p)]}"
+    while any(process_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"engine ranks left behind: {[p for p in pids if process_alive(p)]}"
         time.sleep(0.2)

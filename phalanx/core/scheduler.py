@@ -209,7 +209,6 @@ class Scheduler:
 
         finished = self._finished_for_runner
         self._finished_for_runner = set()
-        num_drafts_scheduled = sum(len(d) for d in spec.values())
         total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(
             new_reqs=new_reqs,
@@ -219,7 +218,9 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             reaching_end=reaching_end,
-            draft_lengths=self._draft_lengths(num_scheduled, reaching_end, total - num_drafts_scheduled),
+            # The lengths are verified next step, in a batch of about one row per request of this
+            # one (this step's prefill chunks are behind it; next step's are not known yet).
+            draft_lengths=self._draft_lengths(num_scheduled, reaching_end, len(num_scheduled)),
         )
 
     def _draft_lengths(self, num_scheduled: dict[str, int], reaching_end: set[str], base_rows: int) -> dict[str, int]:

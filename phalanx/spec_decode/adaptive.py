@@ -30,12 +30,6 @@ SMALL_PROBLEM = 16
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
 PRIOR_FIXED_ROWS = 16.0
-# Draft only when the policy predicts more than this much more throughput than drafting nothing
-# (`policy.choose_draft_lengths`, min_gain): below it the prediction is within the noise of the
-# estimates and of the costs the model leaves out (measured on SmolLM2 + its EAGLE-3 head at
-# concurrency 32, where drafting a few requests' one token each for a predicted 1-3 % lost to
-# plain decoding).
-MIN_GAIN = 0.05
 
 
 class AcceptanceStats:
@@ -105,14 +99,9 @@ class StepCostModel:
     buckets, extrapolates along the nearest measured segment (upwards at least along the prior
     shape time ~ rows + PRIOR_FIXED_ROWS), and is made non-decreasing. With one bucket measured
     (usually a prompt's step) it is flat below it — no saving from fewer rows is assumed before one
-    is seen — and follows the prior shape above it.
-
-    The pass cost is what one more drafter pass adds: the drafter's time is averaged (moving
-    average) separately for each number of passes over steps without a prefill chunk (a prompt's
-    catch-up would make pass 1 look expensive), and the cost is the least-squares slope of that
-    time against the passes once two depths are measured (pass 1 carries the catch-up and the
-    per-step overhead, which deeper passes do not repeat); with one depth measured, the average
-    time per pass (an upper bound).
+    is seen — and follows the prior shape above it. The pass cost is
+    the average drafter time per pass over steps without a prefill chunk (a prompt's catch-up would
+    make pass 1 look expensive).
     """
 
     def __init__(self, alpha: float = 0.2) -> None:
@@ -120,7 +109,7 @@ class StepCostModel:
         self._rows: list[float | None] = [None] * len(_EDGES)  # EMA of the rows of steps in each bucket
         self._time = [0.0] * len(_EDGES)  # EMA of their time
         self.pass_cost = 0.0
-        self._drafter: dict[int, float] = {}  # passes -> moving average of the drafter's seconds
+        self._pass_seen = False
         # The curve as it stands (rebuilt after each step): measured rows ascending, their times
         # made non-decreasing, the slopes below / above them, the floor below.
         self._xs: list[float] = []
@@ -137,14 +126,7 @@ class StepCostModel:
         `drafter_seconds` in `drafter_passes` drafter passes."""
         if num_rows <= 0 or seconds <= 0:
             return
-        if decode_only and drafter_passes > 0:
-            before = self._drafter.get(drafter_passes)
-            self._drafter[drafter_passes] = drafter_seconds if before is None else before + self.alpha * (drafter_seconds - before)
-            self.pass_cost = self._marginal_pass_cost()
-        extra = 0.0  # the passes after the first, which the curve leaves out
-        if drafter_passes > 1:
-            per_pass = self.pass_cost if self._drafter else drafter_seconds / drafter_passes
-            extra = min(per_pass * (drafter_passes - 1), drafter_seconds)
+        extra = drafter_seconds * (drafter_passes - 1) / drafter_passes if drafter_passes > 1 else 0.0
         b = bisect.bisect_right(_EDGES, num_rows) - 1
         rows = self._rows[b]
         if rows is not None:
@@ -152,19 +134,11 @@ class StepCostModel:
             self._time[b] += self.alpha * (seconds - extra - self._time[b])
         else:
             self._rows[b], self._time[b] = float(num_rows), seconds - extra
+        if decode_only and drafter_passes > 0:
+            per_pass = drafter_seconds / drafter_passes
+            self.pass_cost = per_pass if not self._pass_seen else self.pass_cost + self.alpha * (per_pass - self.pass_cost)
+            self._pass_seen = True
         self._rebuild()
-
-    def _marginal_pass_cost(self) -> float:
-        """The least-squares slope of drafter time against passes (two depths measured or more),
-        else the average time per pass of the one depth measured."""
-        if len(self._drafter) == 1:
-            ((passes, seconds),) = self._drafter.items()
-            return seconds / passes
-        ps = list(self._drafter)
-        mean_p = sum(ps) / len(ps)
-        mean_t = sum(self._drafter.values()) / len(ps)
-        num = sum((p - mean_p) * (t - mean_t) for p, t in self._drafter.items())
-        return max(num / sum((p - mean_p) ** 2 for p in ps), 0.0)
 
     def _rebuild(self) -> None:
         xs = [x for x in self._rows if x is not None]  # ascending: the buckets are ordered
@@ -223,10 +197,10 @@ class AdaptiveDrafting:
             step_cost = [self.costs.cost_at(base_rows + m) for m in range(sum(caps) + 1)]
             base = self.acceptance.engine_rates()
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
-            return choose_draft_lengths_small(rates, caps, step_cost, pass_cost, MIN_GAIN)
+            return choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
         caps_arr = np.minimum(np.asarray(caps, dtype=np.int64), self.k)
         step_cost = self.costs.step_cost(base_rows + np.arange(int(caps_arr.sum()) + 1))
-        return choose_draft_lengths(self.acceptance.rates(req_ids), caps_arr, step_cost, pass_cost, MIN_GAIN).tolist()
+        return choose_draft_lengths(self.acceptance.rates(req_ids), caps_arr, step_cost, pass_cost).tolist()
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)

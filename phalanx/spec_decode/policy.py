@@ -30,11 +30,6 @@ since g_ij never increases with j, those m positions are a prefix of each reques
 dominated by the (D = max d, m = sum d) candidate, so the best over all (D, m) is the optimum.
 Restricted to j <= D the gains keep one order for every D, so one sort of the R * k gains and one
 [k, R * k] cumulative sum cover every candidate (about 20 numpy operations a step).
-
-The margin. The best choice is taken only if its predicted throughput beats drafting nothing by
-more than `min_gain` (the engine uses MIN_GAIN of ``spec_decode.adaptive``): the estimates are
-noisy, and costs the model leaves out (verification bookkeeping, the rejection sampler) fall on
-drafting, so a predicted gain of a few percent is not worth the risk.
 """
 
 from __future__ import annotations
@@ -57,10 +52,8 @@ def choose_draft_lengths(
     caps: np.ndarray,  # [R] int in [0, k]: the most drafts each request may get
     step_cost: np.ndarray,  # [M + 1], M = caps.sum(): step time with m draft rows, non-decreasing, > 0
     pass_cost: float,  # time of one drafter pass after the first (0: no passes)
-    min_gain: float = 0.0,  # draft only if that beats drafting nothing by more than this fraction
 ) -> np.ndarray:  # [R] int64, 0 <= lengths <= caps
-    """The draft lengths that maximise expected tokens per unit of step time (module docstring),
-    or none when the best of them is not more than `min_gain` ahead of drafting nothing.
+    """The draft lengths that maximise expected tokens per unit of step time (module docstring).
     Pure: reads its arguments only, changes none of them. Among equally good choices it takes the
     one with the fewest passes, then the fewest draft rows."""
     num_reqs, k = accept.shape
@@ -85,7 +78,7 @@ def choose_draft_lengths(
     total = np.cumsum(np.where(within, g[None, :], 0.0), axis=1)  # [D, n] their gain
     ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depths[:, None] - 1))  # [D, n]
     best = int(np.argmax(ratio))  # the first maximum: fewest passes, then fewest rows
-    if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + max(min_gain, 1e-12)):
+    if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + 1e-12):
         return lengths  # drafting nothing is at least as good
     d, t = divmod(best, ratio.shape[1])
     chosen = np.nonzero(allowed)[0][order[: t + 1][within[d, : t + 1]]]  # request of each chosen position
@@ -98,7 +91,6 @@ def choose_draft_lengths_small(
     caps: list[int],  # [R]
     step_cost: list[float],  # [sum of caps + 1]
     pass_cost: float,
-    min_gain: float = 0.0,
 ) -> list[int]:
     """`choose_draft_lengths` for a few requests, the same choice computed the same way (the same
     order, the same sums, the same ties) in plain Python: at low concurrency a step can take a
@@ -129,7 +121,7 @@ def choose_draft_lengths_small(
             ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depth - 1))
             if ratio > best_ratio:  # the first maximum: fewest passes, then fewest rows
                 best_ratio, best = ratio, (depth, t)
-    if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + max(min_gain, 1e-12)):
+    if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + 1e-12):
         return lengths
     depth, last = best
     for item in order[: last + 1]:

@@ -59,28 +59,12 @@ def test_the_choice_is_the_brute_force_optimum(problem) -> None:  # noqa: ANN001
 
 
 @settings(max_examples=300, deadline=None)
-@given(_problems(), st.sampled_from([0.0, 0.05, 0.3]))
-def test_the_plain_python_path_chooses_the_same(problem, min_gain) -> None:  # noqa: ANN001
+@given(_problems())
+def test_the_plain_python_path_chooses_the_same(problem) -> None:  # noqa: ANN001
     """`choose_draft_lengths_small` (plain Python, low concurrency) == `choose_draft_lengths`."""
     accept, caps, step_cost, pass_cost = problem
-    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost, min_gain)
-    assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost, min_gain).tolist()
-
-
-@settings(max_examples=200, deadline=None)
-@given(_problems(), st.floats(0.0, 0.5))
-def test_the_margin_drafts_the_optimum_or_nothing(problem, min_gain) -> None:  # noqa: ANN001
-    """With a margin the choice is the optimum when that beats drafting nothing by more than
-    `min_gain`, else no drafts at all."""
-    accept, caps, step_cost, pass_cost = problem
-    lengths = choose_draft_lengths(accept, caps, step_cost, pass_cost, min_gain)
-    plain = accept.shape[0] / step_cost[0]
-    optimum = choose_draft_lengths(accept, caps, step_cost, pass_cost)
-    gain = _ratio(accept, optimum, step_cost, pass_cost) / plain - 1.0
-    if gain > min_gain * (1 + 1e-9):
-        assert lengths.tolist() == optimum.tolist()
-    elif gain < min_gain * (1 - 1e-9):
-        assert (lengths == 0).all()
+    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost)
+    assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost).tolist()
 
 
 @settings(max_examples=100, deadline=None)
@@ -189,21 +173,6 @@ def test_drafter_passes_after_the_first_are_costed_apart() -> None:
     assert costs.step_cost(np.array([8.0]))[0] == pytest.approx(8.0)
     costs.observe(100, 50.0, 30.0, 3, decode_only=False)
     assert costs.pass_cost == pytest.approx(1.0)
-
-
-def test_the_pass_cost_is_the_marginal_one_once_two_depths_are_measured() -> None:
-    """Pass 1 carries the catch-up and the step's overhead: 1 s with one pass, 1.4 s with three is
-    0.2 s per further pass, not the 0.47 s average; the curve leaves out those 0.4 s."""
-    costs = StepCostModel(alpha=1.0)
-    costs.observe(4, 5.0, 1.0, 1, decode_only=True)
-    assert costs.pass_cost == pytest.approx(1.0)  # one depth measured: the average per pass
-    costs.observe(4, 5.4, 1.4, 3, decode_only=True)
-    assert costs.pass_cost == pytest.approx(0.2)
-    assert costs.step_cost(np.array([4.0]))[0] == pytest.approx(5.0)
-    costs.observe(4, 5.6, 1.6, 4, decode_only=True)  # three depths: the least-squares slope
-    assert costs.pass_cost == pytest.approx(np.polyfit([1, 3, 4], [1.0, 1.4, 1.6], 1)[0])
-    costs.observe(4, 5.0, 0.5, 2, decode_only=True)  # noise can make it negative: never below 0
-    assert costs.pass_cost >= 0.0
 
 
 def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,7 +275,10 @@ def tokenizer_path(path: str | os.PathLike[str]) -> str:
 def gguf_conversion(path: str | os.PathLike[str]) -> Path:
     """A cached folder with the Hugging Face config.json and tokenizer of GGUF `path`, converted from
     its metadata by transformers' GGUF utilities the first time (~15 s for SmolLM2's 49k-token
-    vocabulary) and reused while the file is unchanged (keyed by path, size and mtime)."""
+    vocabulary) and reused while the file is unchanged (keyed by path, size and mtime).
+
+    transformers' GGUF utilities import torch: a process that has not imported torch (the API
+    server, which never does) converts in a child process, with the same errors."""
     src = Path(path).resolve()
     st = src.stat()
     key = hashlib.sha1(f"{src}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
@@ -286,7 +290,10 @@ def gguf_conversion(path: str | os.PathLike[str]) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{src.stem}-"))
     try:
-        convert_gguf_metadata(src, tmp)
+        if "torch" in sys.modules:
+            convert_gguf_metadata(src, tmp)
+        else:
+            _in_child_process(convert_gguf_metadata, src, tmp)
         try:
             os.replace(tmp, folder)  # atomic; another process may have won the race
         except OSError:
@@ -295,6 +302,15 @@ def gguf_conversion(path: str | os.PathLike[str]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _in_child_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` run in a fresh (spawned) interpreter; its exception, if any, re-raised here."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

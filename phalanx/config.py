@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,22 +49,30 @@ _DTYPES = {
 }
 
 
+def dtype_name(dtype: str | torch.dtype, config_dtype: str | None) -> str:
+    """`parse_dtype` without torch: the torch attribute name ("float32", "bfloat16", "float16") of a
+    user dtype ("auto" / name / torch.dtype) resolved against the checkpoint's own dtype, with the
+    same errors. The API server checks the configuration with it and never imports torch."""
+    torch = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
+    if torch is not None and isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        if config_dtype is None:
+            return "float32"
+        name = str(config_dtype).removeprefix("torch.")
+        return _DTYPES.get(name, "float32")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; valid: 'auto', 'float32', 'bfloat16', 'float16'")
+    return _DTYPES[dtype]
+
+
 def parse_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
     """Resolve a user dtype ("auto" / name / torch.dtype) against the checkpoint's own dtype."""
     import torch
 
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-        return dtype
-    if dtype == "auto":
-        if config_dtype is None:
-            return torch.float32
-        name = str(config_dtype).removeprefix("torch.")
-        return getattr(torch, _DTYPES.get(name, "float32"))
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; valid: 'auto', 'float32', 'bfloat16', 'float16'")
-    return getattr(torch, _DTYPES[dtype])
+    return getattr(torch, dtype_name(dtype, config_dtype))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -81,7 +90,7 @@ class ModelConfig:
 
     path: str
     architecture: str
-    dtype: torch.dtype
+    dtype: torch.dtype  # its name ("bfloat16") in a config built with resolve_dtype=False
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -125,8 +134,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(
-        cls, path: str | os.PathLike[str], dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+        cls,
+        path: str | os.PathLike[str],
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        *,
+        resolve_dtype: bool = True,
     ) -> ModelConfig:
+        """`resolve_dtype=False` (the API server, which never imports torch): `dtype` is the dtype's
+        name (`dtype_name`), checked the same way; everything else is the same."""
         path = str(path)
         if not Path(path).exists():
             raise FileNotFoundError(
@@ -140,11 +156,18 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {arch!r} of {path!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        return cls._from_dict(path, arch, hf, dtype, max_model_len)
+        return cls._from_dict(path, arch, hf, dtype, max_model_len, resolve_dtype=resolve_dtype)
 
     @classmethod
     def _from_dict(
-        cls, path: str, arch: str, hf: dict[str, Any], dtype: str | torch.dtype, max_model_len: int | None
+        cls,
+        path: str,
+        arch: str,
+        hf: dict[str, Any],
+        dtype: str | torch.dtype,
+        max_model_len: int | None,
+        *,
+        resolve_dtype: bool = True,
     ) -> ModelConfig:
         text = hf.get("text_config") or {}
         hf = {**text, **hf} if text else hf
@@ -196,7 +219,7 @@ class ModelConfig:
         return cls(
             path=path,
             architecture=arch,
-            dtype=parse_dtype(dtype, config_dtype),
+            dtype=parse_dtype(dtype, config_dtype) if resolve_dtype else dtype_name(dtype, config_dtype),
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             num_layers=num_layers,

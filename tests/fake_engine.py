@@ -18,8 +18,8 @@ import httpx
 
 from phalanx.core.outputs import EngineCoreOutput
 from phalanx.engine.core_process import EngineMessage, EngineOutputs
-from phalanx.engine.engine_core import EngineCoreRequest
 from phalanx.engine.metrics import ServingMetrics
+from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.entrypoints.async_llm import AsyncLLM
 
 

@@ -37,8 +37,12 @@ class EngineArgs:
     # min_tokens. The front end that loads the tokenizer fills it in (LLM, phalanx serve).
     extra_eos_token_ids: tuple[int, ...] = ()
 
-    def create_engine_config(self) -> EngineConfig:
-        model = ModelConfig.from_hf(resolve_model_path(self.model), self.dtype, self.max_model_len)
+    def create_engine_config(self, *, resolve_dtype: bool = True) -> EngineConfig:
+        """`resolve_dtype=False`: the model's dtype stays a name, so that building (checking) the
+        configuration imports no torch (``ModelConfig.from_hf``); the API server's check uses it."""
+        model = ModelConfig.from_hf(
+            resolve_model_path(self.model), self.dtype, self.max_model_len, resolve_dtype=resolve_dtype
+        )
         extra = [int(t) for t in self.extra_eos_token_ids if int(t) not in model.eos_token_ids]
         if extra:
             model = dataclasses.replace(model, eos_token_ids=(*model.eos_token_ids, *extra))

@@ -42,7 +42,7 @@ from phalanx.engine.core_process import (
     Shutdown,
     run_engine_core,
 )
-from phalanx.engine.engine_core import EngineCoreRequest
+from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.engine.recovery import RankState
 from phalanx.net import free_listen_ports
 

@@ -1,8 +1,9 @@
 """The engine-core process: one `EngineCore` (one data-parallel rank) behind two ZMQ sockets.
 
 Owns: the wire protocol between the API server and engine cores (the msgspec message structs
-below), the process entry point `run_engine_core`, and the busy/idle loop that feeds requests
-into the engine and streams its outputs back.
+below; the request an `AddRequest` carries is ``engine.protocol.EngineCoreRequest``), the process
+entry point `run_engine_core`, and the busy/idle loop that feeds requests into the engine and
+streams its outputs back. Importing this module imports no torch (the API server imports it).
 Does not own: scheduling or execution (``engine_core``), routing between ranks, process start-up
 and death detection (``core_client``), anything text-level (engine cores see token ids only).
 
@@ -52,7 +53,7 @@ import zmq
 
 from phalanx.core.outputs import EngineCoreOutput, SchedulerStats
 from phalanx.engine import fault_injection
-from phalanx.engine.engine_core import EngineCoreRequest
+from phalanx.engine.protocol import EngineCoreRequest
 
 logger = logging.getLogger("phalanx.engine")
 

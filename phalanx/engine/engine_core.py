@@ -10,29 +10,15 @@ from __future__ import annotations
 
 import time
 
-import msgspec
-
 from phalanx.config import EngineConfig
 from phalanx.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from phalanx.core.scheduler import Scheduler
 from phalanx.distributed.group import DPGroup
 from phalanx.distributed.vote import StepPlan, decide, depth_counts, local_row
+from phalanx.engine.protocol import EngineCoreRequest, validate_prompt_tokens, validate_resumed_tokens
 from phalanx.request import Request
-from phalanx.sampling_params import SamplingParams
 from phalanx.spec_decode.adaptive import AdaptiveDrafting
 from phalanx.worker.model_runner import ModelRunner
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float = 0.0
-    group_id: str | None = None  # the parent request of an n > 1 sample
-    # Output tokens already produced elsewhere (the API server replays a request whose rank died):
-    # the engine computes prompt + these as context and goes on from there, counting them as
-    # output (penalties, min_tokens, max_tokens) and advancing a seeded generator past them.
-    output_token_ids: list[int] = []
 
 
 class EngineCore:
@@ -170,29 +156,3 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
-
-
-def validate_prompt_tokens(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    if len(prompt_token_ids) == 0:
-        raise ValueError("the prompt is empty; give at least one token")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len}; "
-            f"prompts must be at most {max_model_len - 1} tokens to leave room for output"
-        )
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")
-
-
-def validate_resumed_tokens(output_token_ids: list[int], vocab_size: int, max_tokens: int) -> None:
-    """A resumed request's produced tokens: in the vocabulary, and fewer than its max_tokens (a
-    request that reached max_tokens is finished, never resumed)."""
-    if len(output_token_ids) >= max_tokens:
-        raise ValueError(
-            f"a resumed request has {len(output_token_ids)} output tokens already; it must have fewer "
-            f"than its max_tokens ({max_tokens})"
-        )
-    bad = [t for t in output_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise ValueError(f"output token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")

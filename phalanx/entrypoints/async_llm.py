@@ -29,9 +29,9 @@ from typing import Any
 
 from phalanx.engine.core_client import EngineCoreClient, EngineDeadError, EngineUnavailableError
 from phalanx.engine.core_process import EngineFailed, EngineOutputs, EngineReady, RequestFailed
-from phalanx.engine.engine_core import EngineCoreRequest, validate_prompt_tokens
 from phalanx.engine.metrics import ServingMetrics, StatLogger
 from phalanx.engine.output_processor import OutputProcessor
+from phalanx.engine.protocol import EngineCoreRequest, validate_prompt_tokens
 from phalanx.engine.recovery import RankState, RecoveryConfig, RestartBudget
 from phalanx.outputs import RequestOutput
 from phalanx.sampling_params import SamplingParams

@@ -85,18 +85,20 @@ class ServeConfig:
 
 def with_tokenizer(cfg: ServeConfig) -> tuple[EngineArgs, Any]:
     """The engine arguments with the model resolved to its local path (so every rank loads the same
-    files) and the tokenizer's end-of-sequence ids merged in, and the tokenizer itself."""
+    files) and the tokenizer's end-of-sequence ids merged in, and the tokenizer itself (loaded
+    without torch: this process never imports it)."""
     args = cfg.engine_args
     model_path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(cfg.tokenizer or model_path)
+    tokenizer = load_tokenizer(cfg.tokenizer or model_path, torch_free=True)
     args = dataclasses.replace(args, model=model_path, extra_eos_token_ids=tuple(eos_token_ids_of(tokenizer)))
     return args, tokenizer
 
 
 def check_config(cfg: ServeConfig) -> None:
-    """Build the engine config once here so bad paths / values fail fast with their own message."""
+    """Build the engine config once here so bad paths / values fail fast with their own message
+    (with the dtype as a name: this process never imports torch)."""
     try:
-        engine_config = cfg.engine_args.create_engine_config()
+        engine_config = cfg.engine_args.create_engine_config(resolve_dtype=False)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise ConfigError(str(e)) from e
     args = cfg.engine_args
@@ -153,7 +155,7 @@ async def serve(cfg: ServeConfig) -> int:
             data_parallel_address=cfg.data_parallel_address,
             data_parallel_rpc_port=cfg.data_parallel_rpc_port,
             num_threads=cfg.num_threads,
-            model_active_params=ModelConfig.from_hf(model_path).active_parameters(),
+            model_active_params=ModelConfig.from_hf(model_path, resolve_dtype=False).active_parameters(),
         )
     )
     try:

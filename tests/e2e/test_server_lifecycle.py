@@ -109,6 +109,24 @@ def test_served_engine_logs_its_threads(server: ServerProcess) -> None:
     assert f"engine rank 0: {local_threads(1)} torch thread(s)" in server.log()
 
 
+def _torch_libraries(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "libtorch" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_api_process_never_loads_torch(server: ServerProcess, http: httpx.Client) -> None:
+    """The API process serves without torch (~240 MB resident); its engine ranks load it. Checked
+    after requests went through, so nothing on a request's way imports it either
+    (tests/unit/test_front_end_imports.py checks the same in-process)."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 4, "stream": True,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+    assert _torch_libraries(server.proc.pid) == set()
+    engines = server.engine_pids()
+    assert engines and all(_torch_libraries(pid) for pid in engines)
+
+
 def test_num_threads_flag_sets_the_engine_threads(slow_server: ServerProcess) -> None:
     """--num-threads reaches the engine process (its log line reports torch.get_num_threads())."""
     assert f"engine rank 0: {_explicit_threads()} torch thread(s)" in slow_server.log()

@@ -19,8 +19,8 @@ from phalanx.engine.core_process import (
     RequestFailed,
     Shutdown,
 )
-from phalanx.engine.engine_core import EngineCoreRequest
 from phalanx.engine.metrics import ServingMetrics, StatLogger
+from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.sampling_params import SamplingParams
 
 

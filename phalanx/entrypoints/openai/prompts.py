@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,12 @@ class PromptPreparer:
         self.max_model_len = max_model_len
         self.max_chars = max_model_len * longest_token_chars(tokenizer) if tokenizer is not None else 0
         self._local = threading.local()
+        # The workers' tokenizer copies, made here rather than on the workers: copying goes through
+        # the Rust tokenizer's serialized form, and a worker would leave that garbage in its own
+        # malloc arena, which the process keeps (~30 MB per thread for SmolLM2's tokenizer).
+        self._copies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(num_threads if tokenizer is not None else 0):
+            self._copies.put(copy.deepcopy(tokenizer))
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="phalanx-tokenizer")
 
     # ---- the thread pool --------------------------------------------------------------------
@@ -63,7 +70,7 @@ class PromptPreparer:
         (truncation / padding settings) and refuses concurrent use ("Already borrowed")."""
         tok = getattr(self._local, "tokenizer", None)
         if tok is None:
-            tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+            tok = self._local.tokenizer = self._copies.get_nowait()  # one per pool thread
         return tok
 
     async def run(self, fn: Callable[[Any], T]) -> T:

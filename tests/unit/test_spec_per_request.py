@@ -180,6 +180,40 @@ def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[s
     assert all(n == 0 for _, ns, _ in calls[-10:] for n in ns)  # ... and none at the end
 
 
+def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dict[str, Path]) -> None:
+    """Drafts chosen in a step are verified in the next one: the policy is told that batch holds
+    one row per request of this step, also when this step carries a prompt's chunk (pricing the
+    drafts against this step's rows would make them look free next to a prefill)."""
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True),
+              max_num_seqs=2)  # fmt: skip
+    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+    adaptive, scheduler = llm.engine.adaptive, llm.engine.scheduler
+    assert adaptive is not None
+    choose, schedule = adaptive.choose, scheduler.schedule
+    given: list[int] = []
+    steps: list[tuple[int, int, int]] = []  # (base rows given, requests in the step, rows in the step)
+
+    def spy_choose(req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:
+        given.append(base_rows)
+        return choose(req_ids, caps, base_rows)
+
+    def spy_schedule():  # noqa: ANN202
+        before = len(given)
+        out = schedule()
+        if len(given) > before:
+            steps.append((given[-1], len(out.num_scheduled_tokens), out.total_num_scheduled_tokens))
+        return out
+
+    adaptive.choose = spy_choose  # type: ignore[method-assign]
+    scheduler.schedule = spy_schedule  # type: ignore[method-assign]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 14, 10, 18, 8, 12)]
+    outs = llm.generate(_prompts(6, seed=6), params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert all(base == num_reqs for base, num_reqs, _ in steps)
+    # some steps decode one request and prefill another's prompt: many more rows than requests
+    assert any(num_reqs == 2 and rows > 2 * (1 + K) for _, num_reqs, rows in steps)
+
+
 def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> None:
     spec = _spec("eagle", models, adaptive=True, disable_by_batch_size=4)
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec, max_num_batched_tokens=512)

@@ -37,9 +37,7 @@ def validate_prompt_tokens(prompt_token_ids: list[int], vocab_size: int, max_mod
             f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {max_model_len}; "
             f"prompts must be at most {max_model_len - 1} tokens to leave room for output"
         )
-    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
-        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")
+    _check_vocabulary(prompt_token_ids, vocab_size, "token id")
 
 
 def validate_resumed_tokens(output_token_ids: list[int], vocab_size: int, max_tokens: int) -> None:
@@ -50,6 +48,11 @@ def validate_resumed_tokens(output_token_ids: list[int], vocab_size: int, max_to
             f"a resumed request has {len(output_token_ids)} output tokens already; it must have fewer "
             f"than its max_tokens ({max_tokens})"
         )
-    bad = [t for t in output_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    _check_vocabulary(output_token_ids, vocab_size, "output token id")
+
+
+def _check_vocabulary(token_ids: list[int], vocab_size: int, what: str) -> None:
+    """Every id an int in [0, vocab_size), else a ValueError naming the first bad one as `what`."""
+    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
-        raise ValueError(f"output token id {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")
+        raise ValueError(f"{what} {bad[0]!r} is outside the vocabulary; valid ids are 0..{vocab_size - 1}")

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.engine.core_process import STEP_DELAY_ENV, step_delay_s
+from tests.dp.harness import process_alive
 from tests.e2e.conftest import API_KEY, MODEL_NAME, REPO, ServerProcess, serve_command, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -239,16 +240,6 @@ def test_metrics_names(server: ServerProcess) -> None:
         assert part in line
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[-1][:1] != "Z"
-
-
 def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) -> None:
     """Two engine ranks (with n-gram speculative decoding) share the load and report per-rank and
     speculative stats. Killing one rank makes /health 503, fails in-flight requests promptly, shuts the
@@ -311,7 +302,7 @@ def test_dp2_spec_decode_then_engine_killed(tiny_model: Path, tmp_path: Path) ->
                 pass  # already shutting down
         assert srv.proc.wait(120) != 0  # exits on its own (the ceiling guards a hang)
         assert "exited with code -9" in srv.log()
-        wait_for(lambda: not _alive(pids[0]), what="the surviving rank to be shut down")
+        wait_for(lambda: not process_alive(pids[0]), what="the surviving rank to be shut down")
     finally:
         srv.stop()
 

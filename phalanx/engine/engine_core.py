@@ -111,14 +111,11 @@ class EngineCore:
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         if self.adaptive is not None:
-            num_drafts = sum(len(d) for d in sched.scheduled_spec_tokens.values())
             self.adaptive.observe_step(
                 num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
                 seconds=time.perf_counter() - t0,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
                 drafter_passes=result.num_drafter_passes,
-                # no prefill chunk: every request runs its last token and its drafts
-                decode_only=sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + num_drafts,
             )
         return outputs
 

@@ -1,9 +1,9 @@
 """What the adaptive draft-length policy measures online, and the glue the scheduler calls.
 
 Owns: `AcceptanceStats` (each request's running acceptance per draft position, smoothed towards
-the engine-wide rate), `StepCostModel` (step time against the number of rows in the step, and the
-cost of one extra drafter pass, both as exponential moving averages with a prior shape until
-measured), and `AdaptiveDrafting` (turns both into the inputs of `policy.choose_draft_lengths`).
+the engine-wide rate), `StepCostModel` (step time against the rows in the step and its drafter
+passes: a local weighted least-squares fit over the recent steps), and `AdaptiveDrafting` (turns
+both into the inputs of `policy.choose_draft_lengths`).
 Does not own: the decision itself (``spec_decode.policy``, a pure function), the per-request and
 per-batch caps (``core.scheduler``), timing the step (``engine.engine_core``), or agreement across
 lockstep ranks (each rank decides for its own requests; the vote sizes the drafter passes from the
@@ -14,15 +14,10 @@ Numpy only, no torch: the scheduler imports it.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-
 import numpy as np
 
 from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small
 
-# Row-count buckets of the step-cost curve: [1, 2), [2, 3), [3, 4), [4, 6), ... up to 4096 and beyond.
-_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 # Up to this many candidate positions (requests x k) the policy runs in plain Python (faster than
 # numpy's per-call overhead at that size), above it in numpy: the same choice either way.
 SMALL_PROBLEM = 16
@@ -46,7 +41,7 @@ class AcceptanceStats:
         k: int,
         prior: float = 0.6,
         prior_weight: float = 4.0,
-        request_weight: float = 2.0,
+        request_weight: float = 10.0,
         request_decay: float = 0.9,
         engine_decay: float = 0.995,
     ) -> None:
@@ -92,86 +87,122 @@ class AcceptanceStats:
 
 
 class StepCostModel:
-    """Step time against the rows in the step's target forward, and the time of one drafter pass.
+    """Step time against the rows of the step's target forward and its drafter passes, fitted where
+    the policy asks.
 
-    Each row-count bucket keeps an exponential moving average of the rows and of the step time
-    (without the drafter's passes after the first); the curve interpolates between measured
-    buckets, extrapolates along the nearest measured segment (upwards at least along the prior
-    shape time ~ rows + PRIOR_FIXED_ROWS), and is made non-decreasing. With one bucket measured
-    (usually a prompt's step) it is flat below it — no saving from fewer rows is assumed before one
-    is seen — and follows the prior shape above it. The pass cost is
-    the average drafter time per pass over steps without a prefill chunk (a prompt's catch-up would
-    make pass 1 look expensive).
+    Every step leaves (rows, passes, seconds) in a window of the last `window` steps. `fit(base)`
+    is a weighted least-squares fit of
+
+        seconds = fixed + per_row * rows + pass_cost * max(passes - 1, 0)
+
+    over that window, each step weighted by its recency (half-life `half_life` steps) and by how
+    close its rows are to `base` (a Gaussian in log(rows + PRIOR_FIXED_ROWS), `bandwidth` wide, cut
+    at two bandwidths): a
+    local linear model of the curve at the batch size the drafts will be verified in. Both
+    covariates in one fit: deep drafts happen at low load and shallow ones at high load, so
+    pricing passes without the rows (or rows without the passes) would charge one for the other.
+    Each slope is shrunk towards a prior that stands when its covariate does not vary (ridge):
+    per_row towards the prior shape (time ~ rows + PRIOR_FIXED_ROWS: a fixed part worth that many
+    rows, weights streamed once per step), pass_cost towards the average drafter time per pass (an
+    upper bound: pass 1, which also catches the drafter up, is dearer than the others). Neither is
+    ever negative, so predicted time never decreases with rows or passes.
+
+    Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
+    step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
+    are mostly noise, and a running maximum over them (to keep the curve monotone) turned that noise
+    into a cost that made the policy draft short where the longest drafts were best.
     """
 
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self._rows: list[float | None] = [None] * len(_EDGES)  # EMA of the rows of steps in each bucket
-        self._time = [0.0] * len(_EDGES)  # EMA of their time
-        self.pass_cost = 0.0
-        self._pass_seen = False
-        # The curve as it stands (rebuilt after each step): measured rows ascending, their times
-        # made non-decreasing, the slopes below / above them, the floor below.
-        self._xs: list[float] = []
-        self._ys: list[float] = []
-        self._lo_slope = self._hi_slope = self._floor = 0.0
+    def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
+                 row_ridge: float = 16.0, pass_ridge: float = 1.0) -> None:
+        self.window, self.bandwidth = window, bandwidth
+        # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
+        self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._rows = np.zeros(window)
+        self._extra = np.zeros(window)  # drafter passes after the first
+        self._seconds = np.zeros(window)
+        self._drafter = np.zeros(window)  # drafter seconds (0 where it ran no pass)
+        self._passes = np.zeros(window)
+        self._age = np.full(window, np.inf)  # steps since each entry; inf: empty slot
+        self._next = 0
+        self._count = 0
 
     @property
     def measured(self) -> bool:
-        return bool(self._xs)
+        return self._count > 0
 
-    def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                decode_only: bool) -> None:
+    def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
         """One step: `num_rows` through the target forward, `seconds` for the whole step, of which
         `drafter_seconds` in `drafter_passes` drafter passes."""
         if num_rows <= 0 or seconds <= 0:
             return
-        extra = drafter_seconds * (drafter_passes - 1) / drafter_passes if drafter_passes > 1 else 0.0
-        b = bisect.bisect_right(_EDGES, num_rows) - 1
-        rows = self._rows[b]
-        if rows is not None:
-            self._rows[b] = rows + self.alpha * (num_rows - rows)
-            self._time[b] += self.alpha * (seconds - extra - self._time[b])
+        i = self._next
+        self._age += 1.0
+        self._rows[i], self._seconds[i] = float(num_rows), seconds
+        self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
+        self._extra[i] = float(max(drafter_passes - 1, 0))
+        self._age[i] = 0.0
+        self._next = (i + 1) % self.window
+        self._count += 1
+
+    def _nearness(self, base_rows: float) -> np.ndarray:  # [window] distance in bandwidths
+        return np.log((self._rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
+
+    def measured_near(self, base_rows: float) -> bool:
+        """Whether some remembered step lies within the fit's cut (two bandwidths) of `base_rows`."""
+        return bool((np.isfinite(self._age) & (np.abs(self._nearness(base_rows)) <= 2.0)).any())
+
+    def fit(self, base_rows: float) -> tuple[float, float, float]:
+        """(fixed, per_row, pass_cost) of the local fit at `base_rows` (class docstring)."""
+        assert self.measured, "no step measured yet"
+        x, q, y, age = self._rows, self._extra, self._seconds, self._age
+        full = np.isfinite(age)
+        near = self._nearness(base_rows)
+        kernel = np.where(full, np.exp(-0.5 * near * near), 0.0)  # [window]
+        # Cut at 2 bandwidths (rows + 16 within a factor 2 of the base's): a pair of steps far
+        # apart has so much leverage on a slope that even a faint Gaussian tail would let it
+        # decide the local one. Nothing that near: the nearest steps, as the tail has them.
+        local = np.where(np.abs(near) <= 2.0, kernel, 0.0)
+        if local.sum() > 0:
+            kernel = local
+        elif not kernel.sum() > 0:  # every step far beyond the tail's reach
+            kernel = full.astype(np.float64)
+        recency = np.where(full, self._decay ** np.where(full, age, 0.0), 0.0)
+        w = recency * kernel
+        w = w / w.sum()
+        mx, mq, my = w @ x, w @ q, w @ y
+        # Priors: the prior shape's slope through the weighted mean; the average time per pass.
+        row_prior = my / (mx + PRIOR_FIXED_ROWS)
+        ran = full & (self._passes > 0)
+        wp = w[ran].sum()
+        pass_prior = float(w[ran] @ (self._drafter[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
+        # The slopes from step-to-step differences: consecutive steps share the machine's state, so
+        # a slow spell (other tenants, frequency) cancels instead of being charged to whatever the
+        # policy chose during it. Slot i - 1 holds the step before slot i's (ring order).
+        pairs = full & (np.roll(age, 1) == age + 1.0)
+        wd = np.where(pairs, recency * np.sqrt(kernel * np.roll(kernel, 1)), 0.0)
+        total = wd.sum()
+        if total > 0:
+            wd = wd / total
+            dx, dq, dy = x - np.roll(x, 1), q - np.roll(q, 1), y - np.roll(y, 1)
+            prior_share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one
+            ridge_x, ridge_q = self.row_ridge * prior_share, self.pass_ridge * prior_share
+            sxx, sqq, sxq = wd @ (dx * dx) + ridge_x, wd @ (dq * dq) + ridge_q, wd @ (dx * dq)
+            bx, bq = wd @ (dx * dy) + ridge_x * row_prior, wd @ (dq * dy) + ridge_q * pass_prior
+            det = sxx * sqq - sxq * sxq
+            per_row = max((bx * sqq - bq * sxq) / det, 0.0)
+            pass_cost = max((bq * sxx - bx * sxq) / det, 0.0)
         else:
-            self._rows[b], self._time[b] = float(num_rows), seconds - extra
-        if decode_only and drafter_passes > 0:
-            per_pass = drafter_seconds / drafter_passes
-            self.pass_cost = per_pass if not self._pass_seen else self.pass_cost + self.alpha * (per_pass - self.pass_cost)
-            self._pass_seen = True
-        self._rebuild()
+            per_row, pass_cost = row_prior, pass_prior
+        return float(my - per_row * mx - pass_cost * mq), float(per_row), float(pass_cost)
 
-    def _rebuild(self) -> None:
-        xs = [x for x in self._rows if x is not None]  # ascending: the buckets are ordered
-        ys = list(itertools.accumulate((max(t, 1e-9) for x, t in zip(self._rows, self._time) if x is not None), max))
-        self._xs, self._ys = xs, ys  # more rows never take less time (running maximum)
-        if len(xs) > 1:
-            self._lo_slope = (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)
-            self._hi_slope = max((ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9), ys[-1] / (xs[-1] + PRIOR_FIXED_ROWS))
-        self._floor = ys[0] * PRIOR_FIXED_ROWS / (xs[0] + PRIOR_FIXED_ROWS)  # the prior's fixed part
-
-    def cost_at(self, rows: float) -> float:
-        """Predicted seconds of a step of `rows` rows (plain Python: a few points at a time)."""
-        assert self.measured, "no step measured yet"
-        xs, ys = self._xs, self._ys
-        if len(xs) == 1:  # fewer rows: no saving assumed; more rows: the prior shape
-            return ys[0] * max(rows + PRIOR_FIXED_ROWS, xs[0] + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
-        if rows < xs[0]:
-            return max(ys[0] + self._lo_slope * (rows - xs[0]), self._floor)
-        if rows > xs[-1]:
-            return ys[-1] + self._hi_slope * (rows - xs[-1])
-        i = min(bisect.bisect_right(xs, rows) - 1, len(xs) - 2)
-        return ys[i] + (ys[i + 1] - ys[i]) * (rows - xs[i]) / (xs[i + 1] - xs[i])
-
-    def step_cost(self, rows: np.ndarray) -> np.ndarray:  # [n] rows -> [n] predicted seconds
-        """`cost_at` for many rows at once."""
-        assert self.measured, "no step measured yet"
-        xs, ys = np.asarray(self._xs), np.asarray(self._ys)  # [b]
-        rows = np.asarray(rows, dtype=np.float64)
-        if xs.shape[0] == 1:
-            return ys[0] * np.maximum(rows + PRIOR_FIXED_ROWS, xs[0] + PRIOR_FIXED_ROWS) / (xs[0] + PRIOR_FIXED_ROWS)
-        out = np.interp(rows, xs, ys)
-        out = np.where(rows < xs[0], np.maximum(ys[0] + self._lo_slope * (rows - xs[0]), self._floor), out)
-        return np.where(rows > xs[-1], ys[-1] + self._hi_slope * (rows - xs[-1]), out)
+    def step_cost(self, base_rows: float, num_extra: int) -> tuple[list[float], float]:
+        """Predicted seconds of a step of `base_rows` + m rows for m = 0..num_extra (one drafter
+        pass), and the cost of each pass after the first; every predicted time > 0."""
+        fixed, per_row, pass_cost = self.fit(base_rows)
+        at_base = max(fixed + per_row * base_rows, 1e-6)  # a fit extrapolated below zero stays positive
+        return [at_base + per_row * m for m in range(num_extra + 1)], pass_cost
 
 
 class AdaptiveDrafting:
@@ -187,27 +218,27 @@ class AdaptiveDrafting:
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:
         """Draft lengths for the requests that reach their end this step (verified next step, in
-        a batch of about `base_rows` rows besides the drafts). Before any step was measured every
-        request gets its cap (static drafting), which is also what gives the first measurements."""
-        if not req_ids or not self.costs.measured or max(caps, default=0) == 0:
+        a batch of about `base_rows` rows besides the drafts). Until a step of about that size
+        (within the fit's cut) was measured every request gets its cap (static drafting), which is
+        also what gives the first measurements there."""
+        if not req_ids or max(caps, default=0) == 0 or not self.costs.measured_near(base_rows):
             return list(caps)
-        pass_cost = self.costs.pass_cost if self.drafter_passes else 0.0
+        caps = [min(c, self.k) for c in caps]
+        step_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps))
+        if not self.drafter_passes:
+            pass_cost = 0.0
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # low concurrency: short steps, no numpy
-            caps = [min(c, self.k) for c in caps]
-            step_cost = [self.costs.cost_at(base_rows + m) for m in range(sum(caps) + 1)]
             base = self.acceptance.engine_rates()
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
             return choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
-        caps_arr = np.minimum(np.asarray(caps, dtype=np.int64), self.k)
-        step_cost = self.costs.step_cost(base_rows + np.arange(int(caps_arr.sum()) + 1))
-        return choose_draft_lengths(self.acceptance.rates(req_ids), caps_arr, step_cost, pass_cost).tolist()
+        return choose_draft_lengths(self.acceptance.rates(req_ids), np.asarray(caps, dtype=np.int64),
+                                    np.asarray(step_cost), pass_cost).tolist()
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
 
-    def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                     decode_only: bool) -> None:
-        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, decode_only)
+    def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
+        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

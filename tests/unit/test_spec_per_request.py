@@ -136,9 +136,9 @@ def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
     assert adaptive is not None
     observe = adaptive.observe_step
 
-    def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int, decode_only: bool) -> None:
+    def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
         observe(num_rows, 1.0 + row_seconds * num_rows + pass_seconds * drafter_passes, pass_seconds * drafter_passes,
-                drafter_passes, decode_only)
+                drafter_passes)
 
     adaptive.observe_step = fixed  # type: ignore[method-assign]
 

@@ -21,6 +21,11 @@ from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_length
 # Up to this many candidate positions (requests x k) the policy runs in plain Python (faster than
 # numpy's per-call overhead at that size), above it in numpy: the same choice either way.
 SMALL_PROBLEM = 16
+# Every this many decisions one request gets one draft more than the policy chose (one more row,
+# and one more drafter pass when it was among the deepest), so that the next row's and the next
+# pass's costs keep being measured: a policy settled on one pass would otherwise never see what a
+# second costs, and would keep the prior's (an upper bound) for good.
+EXPLORE_EVERY = 16
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
@@ -90,22 +95,25 @@ class StepCostModel:
     """Step time against the rows of the step's target forward and its drafter passes, fitted where
     the policy asks.
 
-    Every step leaves (rows, passes, seconds) in a window of the last `window` steps. `fit(base)`
-    is a weighted least-squares fit of
+    Every step leaves (rows, passes, seconds, drafter seconds) in a window of the last `window`
+    steps. `fit(base)` fits
 
         seconds = fixed + per_row * rows + pass_cost * max(passes - 1, 0)
 
-    over that window, each step weighted by its recency (half-life `half_life` steps) and by how
-    close its rows are to `base` (a Gaussian in log(rows + PRIOR_FIXED_ROWS), `bandwidth` wide, cut
-    at two bandwidths): a
-    local linear model of the curve at the batch size the drafts will be verified in. Both
-    covariates in one fit: deep drafts happen at low load and shallow ones at high load, so
-    pricing passes without the rows (or rows without the passes) would charge one for the other.
-    Each slope is shrunk towards a prior that stands when its covariate does not vary (ridge):
-    per_row towards the prior shape (time ~ rows + PRIOR_FIXED_ROWS: a fixed part worth that many
-    rows, weights streamed once per step), pass_cost towards the average drafter time per pass (an
-    upper bound: pass 1, which also catches the drafter up, is dearer than the others). Neither is
-    ever negative, so predicted time never decreases with rows or passes.
+    over that window by weighted least squares, each step weighted by its recency (half-life
+    `half_life` steps) and by how close its rows are to `base` (a Gaussian in log(rows +
+    PRIOR_FIXED_ROWS), `bandwidth` wide, cut at two bandwidths): a local linear model of the curve
+    at the batch size the drafts will be verified in. The slopes come from the differences between
+    consecutive steps, which share the machine's state: a slow spell is not charged to whatever the
+    policy chose during it. The step splits in two parts, each fitted on its own timer: the target's
+    part (step minus drafter) against rows, and the drafter's part against rows and passes together
+    (deep drafts happen at low load and shallow ones at high load, so pricing passes without the
+    rows would charge one for the other). A pass is ~2 % of a step, below the step's jitter but not
+    below the drafter's. Each slope is shrunk towards a prior that stands when its covariate does
+    not vary (ridge, worth one pair of steps): the rows' towards time ~ rows + PRIOR_FIXED_ROWS
+    through the local means (a fixed part worth that many rows: weights streamed once per step),
+    the passes' towards the average drafter time per pass (an upper bound: pass 1 also catches the
+    drafter up). Neither is ever negative, so predicted time never falls as drafts are added.
 
     Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
     step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
@@ -171,12 +179,15 @@ class StepCostModel:
         recency = np.where(full, self._decay ** np.where(full, age, 0.0), 0.0)
         w = recency * kernel
         w = w / w.sum()
-        mx, mq, my = w @ x, w @ q, w @ y
-        # Priors: the prior shape's slope through the weighted mean; the average time per pass.
-        row_prior = my / (mx + PRIOR_FIXED_ROWS)
+        d = self._drafter
+        t = y - d  # everything but the drafter: the target forward, sampling, scheduling
+        mx, mq, mt, md = w @ x, w @ q, w @ t, w @ d
+        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means; a pass at the average
+        # drafter time per pass.
+        row_prior, drafter_row_prior = mt / (mx + PRIOR_FIXED_ROWS), md / (mx + PRIOR_FIXED_ROWS)
         ran = full & (self._passes > 0)
         wp = w[ran].sum()
-        pass_prior = float(w[ran] @ (self._drafter[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
+        pass_prior = float(w[ran] @ (d[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
         # The slopes from step-to-step differences: consecutive steps share the machine's state, so
         # a slow spell (other tenants, frequency) cancels instead of being charged to whatever the
         # policy chose during it. Slot i - 1 holds the step before slot i's (ring order).
@@ -185,17 +196,24 @@ class StepCostModel:
         total = wd.sum()
         if total > 0:
             wd = wd / total
-            dx, dq, dy = x - np.roll(x, 1), q - np.roll(q, 1), y - np.roll(y, 1)
-            prior_share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one
-            ridge_x, ridge_q = self.row_ridge * prior_share, self.pass_ridge * prior_share
+            dx, dq = x - np.roll(x, 1), q - np.roll(q, 1)
+            dt, dd = t - np.roll(t, 1), d - np.roll(d, 1)
+            share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
+            ridge_x, ridge_q = self.row_ridge * share, self.pass_ridge * share
             sxx, sqq, sxq = wd @ (dx * dx) + ridge_x, wd @ (dq * dq) + ridge_q, wd @ (dx * dq)
-            bx, bq = wd @ (dx * dy) + ridge_x * row_prior, wd @ (dq * dy) + ridge_q * pass_prior
+            # The target's part against rows alone.
+            target_row = max((wd @ (dx * dt) + ridge_x * row_prior) / sxx, 0.0)
+            # The drafter's part against rows (pass 1 catches up on them) and passes together, from
+            # its own timer: a pass is ~2 % of a step, far below the step's jitter, but not below
+            # the drafter's.
+            bx, bq = wd @ (dx * dd) + ridge_x * drafter_row_prior, wd @ (dq * dd) + ridge_q * pass_prior
             det = sxx * sqq - sxq * sxq
-            per_row = max((bx * sqq - bq * sxq) / det, 0.0)
+            drafter_row = max((bx * sqq - bq * sxq) / det, 0.0)
             pass_cost = max((bq * sxx - bx * sxq) / det, 0.0)
+            per_row = target_row + drafter_row
         else:
-            per_row, pass_cost = row_prior, pass_prior
-        return float(my - per_row * mx - pass_cost * mq), float(per_row), float(pass_cost)
+            per_row, pass_cost = row_prior + drafter_row_prior, pass_prior
+        return float(mt + md - per_row * mx - pass_cost * mq), float(per_row), float(pass_cost)
 
     def step_cost(self, base_rows: float, num_extra: int) -> tuple[list[float], float]:
         """Predicted seconds of a step of `base_rows` + m rows for m = 0..num_extra (one drafter
@@ -215,6 +233,7 @@ class AdaptiveDrafting:
         self.drafter_passes = drafter_passes
         self.acceptance = AcceptanceStats(k)
         self.costs = StepCostModel()
+        self._decisions = 0
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:
         """Draft lengths for the requests that reach their end this step (verified next step, in
@@ -230,9 +249,14 @@ class AdaptiveDrafting:
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # low concurrency: short steps, no numpy
             base = self.acceptance.engine_rates()
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
-            return choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
-        return choose_draft_lengths(self.acceptance.rates(req_ids), np.asarray(caps, dtype=np.int64),
-                                    np.asarray(step_cost), pass_cost).tolist()
+            lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
+        else:
+            lengths = choose_draft_lengths(self.acceptance.rates(req_ids), np.asarray(caps, dtype=np.int64),
+                                           np.asarray(step_cost), pass_cost).tolist()
+        self._decisions += 1
+        if self._decisions % EXPLORE_EVERY == 0:
+            explore(lengths, caps)
+        return lengths
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
@@ -242,3 +266,11 @@ class AdaptiveDrafting:
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
+
+
+def explore(lengths: list[int], caps: list[int]) -> None:
+    """One draft more, in place, for the request with the longest length below its cap (the first
+    such in batch order): a row more, and a pass more when its length was the deepest (>= 1)."""
+    room = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
+    if room:
+        lengths[max(room, key=lambda i: (lengths[i], -i))] += 1

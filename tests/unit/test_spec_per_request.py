@@ -24,6 +24,7 @@ import pytest
 
 from phalanx import LLM, SamplingParams
 from phalanx.engine.metrics import ServingMetrics
+from phalanx.spec_decode.adaptive import EXPLORE_EVERY
 from phalanx.spec_decode.config import SpeculativeConfig
 from tests.fake_engine import fake_app
 from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
@@ -167,7 +168,7 @@ def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str,
 
 def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[str, Path]) -> None:
     """A random draft model (nearly nothing accepted) and rows that cost a whole step each: once
-    the acceptance is measured, nobody drafts; outputs stay exact."""
+    the acceptance is measured, nobody drafts (but for exploration); outputs stay exact."""
     prompts, params = _prompts(6, seed=4), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = LLM(str(models["target"]), dtype="float32").generate(prompts, params, use_tqdm=False)
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft", models, adaptive=True))
@@ -177,7 +178,8 @@ def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[s
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     counts = llm.get_metrics()["spec_draft_lengths"]
     assert counts[0] > 0.8 * sum(counts)  # mostly 0 ...
-    assert all(n == 0 for _, ns, _ in calls[-10:] for n in ns)  # ... and none at the end
+    # ... and at the end none but the one exploring draft every EXPLORE_EVERY decisions
+    assert sum(n for _, ns, _ in calls[-EXPLORE_EVERY:] for n in ns) <= 1
 
 
 def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dict[str, Path]) -> None:

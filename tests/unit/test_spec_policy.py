@@ -20,7 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from phalanx.spec_decode.adaptive import PRIOR_FIXED_ROWS, AcceptanceStats, AdaptiveDrafting, StepCostModel
+from phalanx.spec_decode.adaptive import (
+    EXPLORE_EVERY,
+    PRIOR_FIXED_ROWS,
+    AcceptanceStats,
+    AdaptiveDrafting,
+    StepCostModel,
+    explore,
+)
 from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, expected_tokens
 
 
@@ -195,6 +202,21 @@ def test_the_fit_is_local_to_the_batch_size_asked_about() -> None:
     assert costs.fit(64)[1] == pytest.approx(0.001, rel=0.1)
 
 
+def test_a_pass_is_priced_from_the_drafter_timer() -> None:
+    """Steps jitter by +-3 ms, ten times a 0.2 ms pass; the drafter's own time does not: the pass
+    is priced from it, the rows from the steps."""
+    rng = np.random.default_rng(3)
+    costs = StepCostModel()
+    for step in range(512):
+        passes = 2 if step % EXPLORE_EVERY == 0 else 1
+        rows = int(rng.integers(24, 40))
+        drafter = 0.001 + 0.00002 * rows + 0.0002 * (passes - 1)
+        costs.observe(rows, 0.010 + 0.0008 * rows + drafter + rng.uniform(-0.003, 0.003), drafter, passes)
+    _, per_row, pass_cost = costs.fit(32)
+    assert pass_cost == pytest.approx(0.0002, rel=0.25)  # a little above: the ridge's prior is an upper bound
+    assert per_row == pytest.approx(0.00082, rel=0.25)
+
+
 def test_passes_that_never_vary_cost_their_average() -> None:
     """Every step ran 3 passes in 3 ms: nothing separates pass 1 from the others, so each pass is
     priced at the average (an upper bound: pass 1 also catches the drafter up)."""
@@ -240,3 +262,23 @@ def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:
         policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
     a, b = policy.choose(["a", "b"], [3, 3], base_rows=2)
     assert a == 0 and b > 0
+
+
+def test_every_so_often_one_request_drafts_one_more() -> None:
+    lengths = [1, 0, 1]
+    explore(lengths, [3, 3, 1])
+    assert lengths == [2, 0, 1]  # the longest with room: a row and a pass more
+    lengths = [0, 0]
+    explore(lengths, [0, 2])
+    assert lengths == [0, 1]
+    lengths = [2, 1]
+    explore(lengths, [2, 1])  # no room anywhere
+    assert lengths == [2, 1]
+    policy = AdaptiveDrafting(3, drafter_passes=True)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 0)  # never accepts
+    for rows in (2, 4, 6, 8):  # a row costs a fifth of a step: never worth "a"'s drafts
+        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
+    chosen = [policy.choose(["a"], [3], base_rows=2) for _ in range(3 * EXPLORE_EVERY)]
+    assert [i for i, c in enumerate(chosen) if c != [0]] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+    assert all(c == [1] for c in chosen if c != [0])

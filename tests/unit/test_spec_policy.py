@@ -226,8 +226,20 @@ def test_passes_that_never_vary_cost_their_average() -> None:
     assert costs.fit(9)[2] == pytest.approx(0.001, rel=0.05)
 
 
+def test_a_fit_is_reused_for_a_few_steps() -> None:
+    costs = StepCostModel(refit_every=4)
+    costs.observe(4, 1.0, 0.0, 0)
+    first = costs.step_cost(4, 1)
+    for _ in range(3):
+        costs.observe(4, 3.0, 0.0, 0)
+        assert costs.step_cost(4, 1) == first  # the same fit, three steps on
+    assert costs.step_cost(2, 1) == costs.step_cost(2, 1) != first  # another base: its own fit
+    costs.observe(4, 3.0, 0.0, 0)
+    assert costs.step_cost(4, 1)[0][0] > first[0][0]  # four steps on: refitted
+
+
 def test_old_steps_leave_the_window() -> None:
-    costs = StepCostModel(window=8)
+    costs = StepCostModel(window=8, refit_every=1)
     for _ in range(8):
         costs.observe(4, 1.0, 0.0, 0)
     for _ in range(8):

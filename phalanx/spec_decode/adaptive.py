@@ -164,6 +164,8 @@ class StepCostModel:
 
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of `base_rows`."""
+        if base_rows in self._fits:  # fitted there lately: it was (the window keeps 512 steps)
+            return True
         return bool((np.isfinite(self._age) & (np.abs(self._nearness(base_rows)) <= 2.0)).any())
 
     def fit(self, base_rows: float) -> tuple[float, float, float]:

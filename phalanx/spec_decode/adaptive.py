@@ -124,7 +124,7 @@ class StepCostModel:
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
                  row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 8) -> None:
         self.window, self.bandwidth = window, bandwidth
-        # A fit (~60 numpy operations, ~0.2 ms: 1-2 % of a step at low load) is reused for this
+        # A fit (~60 numpy operations, ~0.15 ms here: ~1 % of a step at concurrency 1) is reused for this
         # many steps at the same base; it moves little in 8 of a 128-step half-life.
         self.refit_every = refit_every
         self._fits: dict[float, tuple[float, float, float]] = {}

@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 
 from phalanx.checkpoint import resolve_model_path
-from phalanx.config import ModelConfig
+from phalanx.config import EngineConfig
 from phalanx.engine.args import EngineArgs
 from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, EngineStartupError
 from phalanx.engine.metrics import ServingMetrics
@@ -94,9 +94,9 @@ def with_tokenizer(cfg: ServeConfig) -> tuple[EngineArgs, Any]:
     return args, tokenizer
 
 
-def check_config(cfg: ServeConfig) -> None:
+def check_config(cfg: ServeConfig) -> EngineConfig:
     """Build the engine config once here so bad paths / values fail fast with their own message
-    (with the dtype as a name: this process never imports torch)."""
+    (with the dtype as a name: this process never imports torch); returns it."""
     try:
         engine_config = cfg.engine_args.create_engine_config(resolve_dtype=False)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
@@ -138,9 +138,11 @@ def check_config(cfg: ServeConfig) -> None:
         raise ConfigError(f"--num-threads must be >= 1, got {cfg.num_threads}")
     if cfg.headless and local == dp:
         raise ConfigError("--headless runs some of the ranks for a head node elsewhere: set --data-parallel-size-local")
+    return engine_config
 
 
-async def serve(cfg: ServeConfig) -> int:
+async def serve(cfg: ServeConfig, engine_config: EngineConfig) -> int:
+    """`engine_config`: `check_config`'s (the model's size sets the engines' default threads)."""
     logging.getLogger("phalanx").setLevel(cfg.log_level.upper())
     args, tokenizer = with_tokenizer(cfg)
     model_path = args.model
@@ -155,7 +157,7 @@ async def serve(cfg: ServeConfig) -> int:
             data_parallel_address=cfg.data_parallel_address,
             data_parallel_rpc_port=cfg.data_parallel_rpc_port,
             num_threads=cfg.num_threads,
-            model_active_params=ModelConfig.from_hf(model_path, resolve_dtype=False).active_parameters(),
+            model_active_params=engine_config.model.active_parameters(),
         )
     )
     try:
@@ -220,7 +222,7 @@ async def serve(cfg: ServeConfig) -> int:
 
 
 def run(cfg: ServeConfig) -> int:
-    check_config(cfg)
+    engine_config = check_config(cfg)
     if cfg.headless:
         from phalanx.engine.core_client import run_headless
 
@@ -238,7 +240,7 @@ def run(cfg: ServeConfig) -> int:
             cfg.num_threads,
         )
     try:
-        return asyncio.run(serve(cfg))
+        return asyncio.run(serve(cfg, engine_config))
     except KeyboardInterrupt:
         return 0
 

@@ -133,7 +133,6 @@ class StepCostModel:
         self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
         self._decay = 0.5 ** (1.0 / half_life)
         self._rows = np.zeros(window)
-        self._extra = np.zeros(window)  # drafter passes after the first
         self._seconds = np.zeros(window)
         self._drafter = np.zeros(window)  # drafter seconds (0 where it ran no pass)
         self._passes = np.zeros(window)
@@ -154,7 +153,6 @@ class StepCostModel:
         self._age += 1.0
         self._rows[i], self._seconds[i] = float(num_rows), seconds
         self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
-        self._extra[i] = float(max(drafter_passes - 1, 0))
         self._age[i] = 0.0
         self._next = (i + 1) % self.window
         self._count += 1
@@ -171,7 +169,8 @@ class StepCostModel:
     def fit(self, base_rows: float) -> tuple[float, float, float]:
         """(fixed, per_row, pass_cost) of the local fit at `base_rows` (class docstring)."""
         assert self.measured, "no step measured yet"
-        x, q, y, age = self._rows, self._extra, self._seconds, self._age
+        x, y, age = self._rows, self._seconds, self._age
+        q = np.maximum(self._passes - 1.0, 0.0)  # drafter passes after the first
         full = np.isfinite(age)
         near = self._nearness(base_rows)
         kernel = np.where(full, np.exp(-0.5 * near * near), 0.0)  # [window]

@@ -85,11 +85,13 @@ class KVCacheManager:
         blocks.extend(fresh)
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
 
-    def cache_computed_blocks(self, req: Request) -> None:
-        """Register every block fully covered by computed (verified) tokens in the prefix cache."""
+    def cache_computed_blocks(self, req: Request, upto: int | None = None) -> None:
+        """Register every block fully covered by computed (verified) tokens in the prefix cache;
+        `upto`: only blocks below this position (a drafter's KV is complete only that far)."""
         if not self.enable_caching:
             return
-        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
+        end = min(req.num_computed_tokens, req.num_tokens)
+        num_full = (end if upto is None else min(end, upto)) // self.block_size
         blocks = self.req_blocks.get(req.req_id, [])
         num_full = min(num_full, len(blocks))
         hashes = self._block_hashes(req, num_full)

@@ -276,7 +276,7 @@ class Scheduler:
                 status = req.append_output(token)
                 if status is not None:
                     break
-            self.kv.cache_computed_blocks(req)
+            self.kv.cache_computed_blocks(req, out.drafter_kv_end.get(req_id))
             logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs is not None else None
             if status is not None:
                 self.running.remove(req)

@@ -116,6 +116,7 @@ class EngineCore:
                 seconds=time.perf_counter() - t0,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
                 drafter_passes=result.num_drafter_passes,
+                num_logit_rows=len(sched.reaching_end) + sum(len(d) for d in sched.scheduled_spec_tokens.values()),
             )
         return outputs
 

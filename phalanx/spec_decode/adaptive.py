@@ -14,6 +14,8 @@ Numpy only, no torch: the scheduler imports it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small
@@ -91,6 +93,18 @@ class AcceptanceStats:
         return np.array(rows, dtype=np.float64).reshape(len(req_ids), self.k)
 
 
+class StepFit(NamedTuple):
+    """Step time = fixed + per_row * (rows without logits) + per_logit_row * (rows that compute
+    logits) + first_cost * (the drafter ran) + pass_cost * (its passes after the first), near one
+    batch size."""
+
+    fixed: float
+    per_row: float  # a row that computes no logits (a prompt row)
+    per_logit_row: float  # a row that does (a decode or draft row): the lm_head and sampling too
+    first_cost: float
+    pass_cost: float
+
+
 class StepCostModel:
     """Step time against the rows of the step's target forward and its drafter passes, fitted where
     the policy asks.
@@ -98,7 +112,8 @@ class StepCostModel:
     Every step leaves (rows, passes, seconds, drafter seconds) in a window of the last `window`
     steps. `fit(base)` fits
 
-        seconds = fixed + per_row * rows + pass_cost * max(passes - 1, 0)
+        seconds = fixed + per_row * (rows - logit_rows) + per_logit_row * logit_rows
+                  + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
 
     over that window by weighted least squares, each step weighted by its recency (half-life
     `half_life` steps) and by how close its rows are to `base` (a Gaussian in log(rows +
@@ -106,14 +121,18 @@ class StepCostModel:
     at the batch size the drafts will be verified in. The slopes come from the differences between
     consecutive steps, which share the machine's state: a slow spell is not charged to whatever the
     policy chose during it. The step splits in two parts, each fitted on its own timer: the target's
-    part (step minus drafter) against rows, and the drafter's part against rows and passes together
-    (deep drafts happen at low load and shallow ones at high load, so pricing passes without the
-    rows would charge one for the other). A pass is ~2 % of a step, below the step's jitter but not
-    below the drafter's. Each slope is shrunk towards a prior that stands when its covariate does
-    not vary (ridge, worth one pair of steps): the rows' towards time ~ rows + PRIOR_FIXED_ROWS
+    part (step minus drafter) against the rows that compute logits and those that do not (a draft
+    row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on a small
+    model, and most of the rows' variation at high load is prompts'), and the drafter's part against rows, whether it ran and
+    its later passes together (deep drafts happen at low load and shallow ones at high load, so
+    pricing passes without the rows would charge one for the other). The drafter runs no pass in a
+    step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
+    is priced apart: drafting at all costs it. A pass is ~2 % of a step, below the step's jitter but
+    not below the drafter's. Each slope is shrunk towards a prior that stands when its covariate
+    does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows + PRIOR_FIXED_ROWS
     through the local means (a fixed part worth that many rows: weights streamed once per step),
-    the passes' towards the average drafter time per pass (an upper bound: pass 1 also catches the
-    drafter up). Neither is ever negative, so predicted time never falls as drafts are added.
+    the first pass's and the later passes' towards the average drafter time per pass. None is ever
+    negative, so predicted time never falls as drafts are added.
 
     Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
     step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
@@ -127,12 +146,13 @@ class StepCostModel:
         # A fit (~60 numpy operations, ~0.15 ms here: ~1 % of a step at concurrency 1) is reused for this
         # many steps at the same base; it moves little in 8 of a 128-step half-life.
         self.refit_every = refit_every
-        self._fits: dict[float, tuple[float, float, float]] = {}
+        self._fits: dict[float, StepFit] = {}
         self._fits_since = 0
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
         self._decay = 0.5 ** (1.0 / half_life)
         self._rows = np.zeros(window)
+        self._logit_rows = np.zeros(window)
         self._seconds = np.zeros(window)
         self._drafter = np.zeros(window)  # drafter seconds (0 where it ran no pass)
         self._passes = np.zeros(window)
@@ -144,14 +164,17 @@ class StepCostModel:
     def measured(self) -> bool:
         return self._count > 0
 
-    def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
-        """One step: `num_rows` through the target forward, `seconds` for the whole step, of which
-        `drafter_seconds` in `drafter_passes` drafter passes."""
+    def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
+                num_logit_rows: int | None = None) -> None:
+        """One step: `num_rows` through the target forward, `num_logit_rows` of them computing logits
+        (None: all), `seconds` for the whole step, of which `drafter_seconds` in `drafter_passes`
+        drafter passes."""
         if num_rows <= 0 or seconds <= 0:
             return
         i = self._next
         self._age += 1.0
         self._rows[i], self._seconds[i] = float(num_rows), seconds
+        self._logit_rows[i] = float(num_rows if num_logit_rows is None else num_logit_rows)
         self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
         self._age[i] = 0.0
         self._next = (i + 1) % self.window
@@ -166,10 +189,11 @@ class StepCostModel:
             return True
         return bool((np.isfinite(self._age) & (np.abs(self._nearness(base_rows)) <= 2.0)).any())
 
-    def fit(self, base_rows: float) -> tuple[float, float, float]:
-        """(fixed, per_row, pass_cost) of the local fit at `base_rows` (class docstring)."""
+    def fit(self, base_rows: float) -> StepFit:
+        """The local fit at `base_rows` (class docstring)."""
         assert self.measured, "no step measured yet"
-        x, y, age = self._rows, self._seconds, self._age
+        x, y, age, lg = self._rows, self._seconds, self._age, self._logit_rows
+        u = (self._passes > 0).astype(np.float64)  # the drafter ran (pass 1)
         q = np.maximum(self._passes - 1.0, 0.0)  # drafter passes after the first
         full = np.isfinite(age)
         near = self._nearness(base_rows)
@@ -187,9 +211,9 @@ class StepCostModel:
         w = w / w.sum()
         d = self._drafter
         t = y - d  # everything but the drafter: the target forward, sampling, scheduling
-        mx, mq, mt, md = w @ x, w @ q, w @ t, w @ d
-        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means; a pass at the average
-        # drafter time per pass.
+        mx, ml, mu, mq, mt, md = w @ x, w @ lg, w @ u, w @ q, w @ t, w @ d
+        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means; pass 1 and each later pass
+        # at the average drafter time per pass.
         row_prior, drafter_row_prior = mt / (mx + PRIOR_FIXED_ROWS), md / (mx + PRIOR_FIXED_ROWS)
         ran = full & (self._passes > 0)
         wp = w[ran].sum()
@@ -202,29 +226,36 @@ class StepCostModel:
         total = wd.sum()
         if total > 0:
             wd = wd / total
-            dx, dq = x - np.roll(x, 1), q - np.roll(q, 1)
+            dx, dl, du, dq = x - np.roll(x, 1), lg - np.roll(lg, 1), u - np.roll(u, 1), q - np.roll(q, 1)
             dt, dd = t - np.roll(t, 1), d - np.roll(d, 1)
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
-            ridge_x, ridge_q = self.row_ridge * share, self.pass_ridge * share
-            sxx, sqq, sxq = wd @ (dx * dx) + ridge_x, wd @ (dq * dq) + ridge_q, wd @ (dx * dq)
-            # The target's part against rows alone.
-            target_row = max((wd @ (dx * dt) + ridge_x * row_prior) / sxx, 0.0)
-            # The drafter's part against rows (pass 1 catches up on them) and passes together, from
-            # its own timer: a pass is ~2 % of a step, far below the step's jitter, but not below
-            # the drafter's.
-            bx, bq = wd @ (dx * dd) + ridge_x * drafter_row_prior, wd @ (dq * dd) + ridge_q * pass_prior
-            det = sxx * sqq - sxq * sxq
-            drafter_row = max((bx * sqq - bq * sxq) / det, 0.0)
-            pass_cost = max((bq * sxx - bx * sxq) / det, 0.0)
-            per_row = target_row + drafter_row
+            ridge = share * np.array([self.row_ridge, self.pass_ridge, self.pass_ridge])
+            # The target's part against rows without and with logits (where every row computes
+            # logits, the first keeps its prior).
+            dr = np.stack([dx - dl, dl])  # [2, window]
+            gram = (dr * wd) @ dr.T + np.diag(ridge[:1].repeat(2))
+            rhs = (dr * wd) @ dt + ridge[0] * row_prior
+            target_row, logit_row = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+            # The drafter's part against rows (pass 1 catches up on them), whether it ran, and its
+            # later passes, from its own timer: a pass is ~2 % of a step, far below the step's
+            # jitter, but not below the drafter's.
+            dz = np.stack([dx, du, dq])  # [3, window]
+            gram = (dz * wd) @ dz.T + np.diag(ridge)
+            rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
+            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+            per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
         else:
-            per_row, pass_cost = row_prior + drafter_row_prior, pass_prior
-        return float(mt + md - per_row * mx - pass_cost * mq), float(per_row), float(pass_cost)
+            per_row = logit_row = row_prior + drafter_row_prior
+            first_cost = pass_cost = pass_prior
+        fixed = mt + md - per_row * (mx - ml) - logit_row * ml - first_cost * mu - pass_cost * mq
+        return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost))
 
-    def step_cost(self, base_rows: float, num_extra: int) -> tuple[list[float], float]:
-        """Predicted seconds of a step of `base_rows` + m rows for m = 0..num_extra (one drafter
-        pass), and the cost of each pass after the first; every predicted time > 0. From a fit at
-        most `refit_every` steps old."""
+    def step_cost(self, base_rows: float, num_extra: int, base_logit_rows: float | None = None
+                  ) -> tuple[list[float], float, float]:
+        """Predicted seconds of a step of `base_rows` rows (`base_logit_rows` of them computing logits;
+        None: all) + m draft rows for m = 0..num_extra without a drafter pass, the cost of its first
+        pass (run when some request drafts) and of each pass after the first; every predicted time
+        > 0. From a fit at most `refit_every` steps old."""
         if self._count - self._fits_since >= self.refit_every:
             self._fits.clear()
         got = self._fits.get(base_rows)
@@ -232,9 +263,11 @@ class StepCostModel:
             if not self._fits:
                 self._fits_since = self._count
             got = self._fits[base_rows] = self.fit(base_rows)
-        fixed, per_row, pass_cost = got
-        at_base = max(fixed + per_row * base_rows, 1e-6)  # a fit extrapolated below zero stays positive
-        return [at_base + per_row * m for m in range(num_extra + 1)], pass_cost
+        logit_rows = base_rows if base_logit_rows is None else base_logit_rows
+        # a fit extrapolated below zero stays positive
+        at_base = max(got.fixed + got.per_row * (base_rows - logit_rows) + got.per_logit_row * logit_rows, 1e-6)
+        # a draft row computes logits
+        return [at_base + got.per_logit_row * m for m in range(num_extra + 1)], got.first_cost, got.pass_cost
 
 
 class AdaptiveDrafting:
@@ -257,16 +290,16 @@ class AdaptiveDrafting:
         if not req_ids or max(caps, default=0) == 0 or not self.costs.measured_near(base_rows):
             return list(caps)
         caps = [min(c, self.k) for c in caps]
-        step_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps))
+        step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         if not self.drafter_passes:
-            pass_cost = 0.0
+            first_cost = pass_cost = 0.0
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # low concurrency: short steps, no numpy
             base = self.acceptance.engine_rates()
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
-            lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost)
+            lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost)
         else:
             lengths = choose_draft_lengths(self.acceptance.rates(req_ids), np.asarray(caps, dtype=np.int64),
-                                           np.asarray(step_cost), pass_cost).tolist()
+                                           np.asarray(step_cost), pass_cost, first_cost).tolist()
         self._decisions += 1
         if self._decisions % EXPLORE_EVERY == 0:
             explore(lengths, caps)
@@ -275,8 +308,9 @@ class AdaptiveDrafting:
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
 
-    def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
-        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes)
+    def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
+                     num_logit_rows: int | None = None) -> None:
+        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

@@ -9,7 +9,9 @@ Per step, pass 1 and one pass per draft position of the deepest request (see ``p
            (drafting: all tokens including the new one; otherwise those with target state), up to
            the drafter's context length even for requests too long to draft, so that every prefix-cache
            block within that length carries draft KV; the last position of each drafting request
-           that still has room for k drafts drafts token 1.
+           that still has room for k drafts drafts token 1. A request that does not draft feeds
+           only its prompt positions; the rest wait until it drafts again (``proposer``: deferred
+           catch-up).
   pass j   each request that wants a j-th draft feeds draft j-1 at the next position and drafts
            token j.
 Draft-pass KV past the real tokens is speculative; the next catch-up overwrites it.
@@ -37,6 +39,7 @@ from phalanx.spec_decode.proposer import (
     draft_rest,
     drafter_pass,
     drafter_room,
+    feed_range,
     num_passes,
     pass_size,
     uniform_grid,
@@ -74,6 +77,8 @@ class DraftModelProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
         self._computed: dict[str, int] = {}
+        self._behind: set[str] = set()  # requests whose catch-up waits (their `_computed` is short)
+        self.passes_run = 0
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         return [(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
@@ -84,9 +89,14 @@ class DraftModelProposer:
 
     def start_request(self, req_id: str, num_computed: int) -> None:
         self._computed[req_id] = num_computed
+        self._behind.discard(req_id)
 
     def finish_request(self, req_id: str) -> None:
         self._computed.pop(req_id, None)
+        self._behind.discard(req_id)
+
+    def drafter_kv_end(self, req_id: str) -> int | None:
+        return self._computed[req_id] if req_id in self._behind else None
 
     def _run(self, p: DrafterPass) -> torch.Tensor:  # -> hidden [T_real + pad, H]
         hidden, _ = self.model(p.input_ids, self.kv_caches, p.meta)
@@ -96,7 +106,9 @@ class DraftModelProposer:
         return self.argmax(self.model.compute_logits(hidden, float32=False))
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
+        self.passes_run = 0
         k = self.num_speculative_tokens
+        may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         feeds: list[Feed] = []
         drafting: list[int] = []  # indices into feeds of requests that get drafts
@@ -107,8 +119,13 @@ class DraftModelProposer:
             # those blocks in the prefix cache drafts as well as if it had computed them itself).
             drafts_now = batch.num_drafts[i] > 0 and len(tokens) + k <= self.room
             upto = len(tokens) if batch.num_drafts[i] > 0 else batch.num_computed[i] + batch.num_valid[i]
-            upto = min(upto, self.room)
+            end = min(upto, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
+            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer)
+            if upto < end:
+                self._behind.add(req_id)
+            else:
+                self._behind.discard(req_id)
             if upto > start:
                 feeds.append(Feed(i, tokens[start:upto], start))
                 self._computed[req_id] = upto
@@ -116,6 +133,7 @@ class DraftModelProposer:
                     drafting.append(len(feeds) - 1)
         drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
+        self.passes_run = passes
         if passes == 0:
             return drafts
         chains = self._chains(batch)

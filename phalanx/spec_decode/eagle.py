@@ -7,12 +7,16 @@ in step with the target's: after each step it covers the positions whose target 
 Per step, pass 1 and one pass per draft position of the deepest request (see ``proposer``):
   pass 1   every scheduled request runs its valid positions [nc, nc + num_valid) with the tokens
            one to the right and this step's target features (EAGLE-3: three aux layers fused by
-           fc); the last position of each drafting request drafts token 1.
+           fc); the last position of each drafting request drafts token 1. A request that does
+           not draft keeps the features of its new positions instead (`Waiting`) and feeds them,
+           with the tokens, when it drafts again (``proposer``: deferred catch-up).
   pass j   each request that wants a j-th draft feeds (draft j-1, the head's own previous hidden
            state) at the next position and drafts token j.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,10 +36,19 @@ from phalanx.spec_decode.proposer import (
     draft_rest,
     drafter_pass,
     drafter_room,
+    feed_range,
     num_passes,
     pass_size,
     uniform_grid,
 )
+
+
+class Waiting(NamedTuple):
+    """A request's positions not yet fed to the head: from `start` on, with their target features
+    (fused for EAGLE-3), one [n, H] chunk per step."""
+
+    start: int
+    features: list[torch.Tensor]
 
 
 class EagleProposer:
@@ -51,6 +64,8 @@ class EagleProposer:
         self.aux_layer_ids: tuple[int, ...] = self.head.aux_layer_ids if isinstance(self.head, Eagle3Head) else ()
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
+        self.passes_run = 0
+        self._waiting: dict[str, Waiting] = {}
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         cfg = self.head.config
@@ -61,10 +76,14 @@ class EagleProposer:
         self.block_size = cache_block_size(kv_caches[0])
 
     def start_request(self, req_id: str, num_computed: int) -> None:
-        pass  # the head's progress is the target's num_computed
+        self._waiting.pop(req_id, None)  # the head's progress is the target's num_computed
 
     def finish_request(self, req_id: str) -> None:
-        pass
+        self._waiting.pop(req_id, None)
+
+    def drafter_kv_end(self, req_id: str) -> int | None:
+        waiting = self._waiting.get(req_id)
+        return None if waiting is None else waiting.start
 
     def _run(self, p: DrafterPass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if p.num_pad:  # padding rows carry zero features
@@ -83,31 +102,52 @@ class EagleProposer:
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         assert batch.target_hidden is not None
+        self.passes_run = 0
         k = self.num_speculative_tokens
+        may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         feeds: list[Feed] = []
-        hidden_rows: list[int] = []
+        fed_rows: list[int] = []  # target rows of this step's positions fed now, in feed order
+        kept: list[Waiting | None] = []  # per feed: the positions it waited with (fed first)
+        wait_rows: list[int] = []  # target rows of positions that wait
+        wait_spans: list[tuple[str, int, int]] = []  # (request, its first waiting position, rows)
         drafting: list[int] = []  # indices into feeds of requests that get drafts
-        for i in range(len(batch.req_ids)):
+        for i, req_id in enumerate(batch.req_ids):
             nc, nv = batch.num_computed[i], batch.num_valid[i]
             if nv == 0 or nc + nv + k > self.room:
                 continue
-            # position t consumes token t + 1: positions [nc, nc + nv) <- tokens [nc + 1, nc + nv + 1)
-            feeds.append(Feed(i, batch.token_ids[i][nc + 1 : nc + nv + 1], nc))
-            off = batch.token_offsets[i]
-            hidden_rows.extend(range(off, off + nv))
-            if batch.num_drafts[i] > 0:
-                drafting.append(len(feeds) - 1)
+            waiting = self._waiting.get(req_id)
+            start, end = (nc if waiting is None else waiting.start), nc + nv
+            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer)
+            off = batch.token_offsets[i] - nc  # target row of position p: off + p
+            if upto > start:
+                # position t consumes token t + 1: positions [start, upto) <- tokens [start + 1, upto + 1)
+                feeds.append(Feed(i, batch.token_ids[i][start + 1 : upto + 1], start))
+                fed_rows.extend(range(off + nc, off + upto))  # this step's; [start, nc) waited
+                kept.append(self._waiting.pop(req_id, None))
+                if batch.num_drafts[i] > 0:
+                    drafting.append(len(feeds) - 1)
+            if upto < end:
+                wait_rows.extend(range(off + max(upto, nc), off + end))
+                wait_spans.append((req_id, upto, end - max(upto, nc)))
+        if wait_rows:
+            self._wait(batch, wait_rows, wait_spans)
         drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
+        self.passes_run = passes
         if passes == 0:
             return drafts
-        index = torch.tensor(hidden_rows, dtype=torch.int64)
-        if self.is_eagle3:
-            assert isinstance(self.head, Eagle3Head)
-            features = self.head.fuse([a[index] for a in batch.target_aux])
-        else:
-            features = batch.target_hidden[index]
+        features = self._features(batch, fed_rows)
+        if any(w is not None for w in kept):  # each caught-up request's waiting features go first
+            pieces, at = [], 0
+            for f, w in zip(feeds, kept):
+                n = len(f.token_ids)  # positions fed: the waiting ones, then this step's
+                if w is not None:
+                    pieces.extend(w.features)
+                    n -= sum(len(c) for c in w.features)
+                pieces.append(features[at : at + n])
+                at += n
+            features = torch.cat(pieces)
         chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
@@ -137,3 +177,24 @@ class EagleProposer:
 
         return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, forward,
                           self.head.draft_token_ids)
+
+    def _features(self, batch: ProposeBatch, rows: list[int]) -> torch.Tensor:  # [len(rows), H]
+        """The head's input features of these target rows (EAGLE-3: the aux layers fused by fc)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.is_eagle3:
+            assert isinstance(self.head, Eagle3Head)
+            return self.head.fuse([a[index] for a in batch.target_aux])
+        assert batch.target_hidden is not None
+        return batch.target_hidden[index]
+
+    def _wait(self, batch: ProposeBatch, rows: list[int], spans: list[tuple[str, int, int]]) -> None:
+        """Keep the features of positions that wait (a copy per request: a view would keep the
+        whole step's tensor alive)."""
+        features = self._features(batch, rows)
+        at = 0
+        for req_id, first, n in spans:
+            waiting = self._waiting.get(req_id)
+            if waiting is None:
+                waiting = self._waiting[req_id] = Waiting(first, [])
+            waiting.features.append(features[at : at + n].clone())
+            at += n

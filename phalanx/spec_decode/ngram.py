@@ -34,6 +34,7 @@ class NgramProposer:
     needs_target_hidden = False
     aux_layer_ids: tuple[int, ...] = ()
     num_lookahead_slots = 0
+    passes_run = 0  # a lookup, no drafter forwards
 
     def __init__(self, spec: SpeculativeConfig, target_model: torch.nn.Module, target_cfg: ModelConfig) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
@@ -52,6 +53,9 @@ class NgramProposer:
 
     def finish_request(self, req_id: str) -> None:
         pass
+
+    def drafter_kv_end(self, req_id: str) -> int | None:
+        return None  # no drafter KV
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens

@@ -16,12 +16,13 @@ where a_ij is request i's acceptance rate at draft position j given that positio
 accepted (g_ij is the probability that draft j is accepted: each request emits its accepted drafts
 plus one token). It costs
 
-    time(d) = step_cost[sum_i d_i] + pass_cost * max(max_i d_i - 1, 0)
+    time(d) = step_cost[sum_i d_i] + first_cost * [d != 0] + pass_cost * max(max_i d_i - 1, 0)
 
 where step_cost[m] is the predicted time of the step with m draft rows added to the batch (the
-target's verification of the extra rows, measured at the current batch size; non-decreasing in m)
-and pass_cost is one extra drafter pass (a model drafter's pass 1 runs anyway to catch its KV up;
-n-gram lookup runs no passes: 0). The policy maximises tokens per unit of time, tokens(d) / time(d).
+target's verification of the extra rows, measured at the current batch size; non-decreasing in m),
+first_cost is the drafter's first pass (a model drafter runs it only when some request drafts: the
+others' catch-up waits) and pass_cost one more drafter pass (n-gram lookup runs no passes: both 0).
+The policy maximises tokens per unit of time, tokens(d) / time(d).
 
 Why the search is exact and small. For a fixed largest depth D and a fixed number of draft rows m
 the time is fixed, so the best choice is the m largest gains among positions j <= min(cap_i, D);
@@ -52,6 +53,7 @@ def choose_draft_lengths(
     caps: np.ndarray,  # [R] int in [0, k]: the most drafts each request may get
     step_cost: np.ndarray,  # [M + 1], M = caps.sum(): step time with m draft rows, non-decreasing, > 0
     pass_cost: float,  # time of one drafter pass after the first (0: no passes)
+    first_cost: float = 0.0,  # time of the drafter's first pass, run when anything is drafted
 ) -> np.ndarray:  # [R] int64, 0 <= lengths <= caps
     """The draft lengths that maximise expected tokens per unit of step time (module docstring).
     Pure: reads its arguments only, changes none of them. Among equally good choices it takes the
@@ -76,7 +78,7 @@ def choose_draft_lengths(
     within = pos[None, :] <= depths[:, None]  # [D, n]: position usable at depth cap D
     rows = np.cumsum(within, axis=1)  # [D, n] draft rows m after taking items 0..t at depth cap D
     total = np.cumsum(np.where(within, g[None, :], 0.0), axis=1)  # [D, n] their gain
-    ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depths[:, None] - 1))  # [D, n]
+    ratio = (num_reqs + total) / (step_cost[rows] + first_cost + pass_cost * (depths[:, None] - 1))  # [D, n]
     best = int(np.argmax(ratio))  # the first maximum: fewest passes, then fewest rows
     if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + 1e-12):
         return lengths  # drafting nothing is at least as good
@@ -91,6 +93,7 @@ def choose_draft_lengths_small(
     caps: list[int],  # [R]
     step_cost: list[float],  # [sum of caps + 1]
     pass_cost: float,
+    first_cost: float = 0.0,
 ) -> list[int]:
     """`choose_draft_lengths` for a few requests, the same choice computed the same way (the same
     order, the same sums, the same ties) in plain Python: at low concurrency a step can take a
@@ -118,7 +121,7 @@ def choose_draft_lengths_small(
             if pos[item] <= depth:
                 rows += 1
                 total += gains[item]
-            ratio = (num_reqs + total) / (step_cost[rows] + pass_cost * (depth - 1))
+            ratio = (num_reqs + total) / (step_cost[rows] + first_cost + pass_cost * (depth - 1))
             if ratio > best_ratio:  # the first maximum: fewest passes, then fewest rows
                 best_ratio, best = ratio, (depth, t)
     if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + 1e-12):

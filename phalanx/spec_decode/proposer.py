@@ -12,12 +12,22 @@ state (`num_valid`: scheduled minus rejected drafts), and how many drafts it get
 proposer returns up to that many greedy drafts per request (one-hot drafts: the rejection sampler
 treats them as deterministic, which keeps verification lossless for random requests too).
 
-Model-based proposers run pass 1 with every step (it catches the drafter's KV up and drafts token
-1), then pass j for j = 2.. while some request wants a j-th draft; pass j feeds only those
-requests (the deepest first, so pass j's rows are a prefix of pass j-1's). In data-parallel
-lockstep the passes and their padded sizes are the voted ones instead (`pass_sizes`), whatever
-the batch holds: with nothing to do a pass runs on padding alone. That is what lets lockstep ranks
-run the drafter together (DESIGN §5 rule 3).
+Model-based proposers run pass 1 when some request feeds the drafter (it catches the drafter's KV
+up and drafts token 1), then pass j for j = 2.. while some request wants a j-th draft; pass j feeds
+only those requests (the deepest first, so pass j's rows are a prefix of pass j-1's). In
+data-parallel lockstep the passes and their padded sizes are the voted ones instead
+(`pass_sizes`), whatever the batch holds: with nothing to do a pass runs on padding alone. That is
+what lets lockstep ranks run the drafter together (DESIGN §5 rule 3).
+
+Deferred catch-up (outside lockstep). A request that gets no drafts this step does not feed the
+drafter its new positions: they wait (`feed_range`) until it drafts again, and are fed then, in
+one pass with its new ones. Under load, where the policy (or `disable_by_batch_size`) drafts for
+few requests or none, pass 1 then runs for the drafting requests only, or not at all, instead of
+over the whole batch every step; a request that never drafts again never pays for it. Prompt
+positions are always fed, and a request's blocks are published to the prefix cache only up to where
+its drafter KV is complete (`drafter_kv_end`, read by the scheduler), so a prefix-cache hit always
+brings the drafter's KV along. A wait longer than `MAX_LAG` positions is caught up at once (it
+bounds the features an EAGLE head keeps per request).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ class ProposeBatch:
     num_drafts: list[int]  # per request: drafts wanted after this step (0: none), at most k
     block_table: torch.Tensor  # [R, max_blocks] int64, covering the lookahead slots too
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
+    prompt_lens: list[int]  # per request: its prompt's length (prompt positions are never deferred)
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
     target_aux: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3: [T, H] per aux layer
     # Lockstep: the padded token count of each drafter pass, decided by the vote (the proposer runs
@@ -62,6 +73,8 @@ class Proposer(Protocol):
     # Target layers whose entering residual stream the proposer consumes (EAGLE-3).
     aux_layer_ids: tuple[int, ...]
     needs_target_hidden: bool
+    # Drafter forwards the last `propose` ran (0: none).
+    passes_run: int
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each drafter layer that needs a paged KV cache."""
@@ -77,6 +90,11 @@ class Proposer(Protocol):
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         """Drafts per request of the batch ([] for requests that did not sample)."""
+        ...
+
+    def drafter_kv_end(self, req_id: str) -> int | None:
+        """For a request whose catch-up is deferred: the first position without drafter KV (its
+        blocks from there on stay out of the prefix cache). None when it is caught up."""
         ...
 
 
@@ -96,6 +114,25 @@ def build_proposer(
         return DraftModelProposer(spec, target_model, target_cfg, expert_shard, group)
     registry: dict[str, type] = {"ngram": NgramProposer, "eagle": EagleProposer, "eagle3": EagleProposer}
     return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
+
+
+# The most positions a request's drafter catch-up waits for (module docstring).
+MAX_LAG = 256
+
+
+def feed_range(
+    caught_up: int,  # the first position without drafter KV (the request's num_computed if none waits)
+    end: int,  # the end of the positions the drafter could take now
+    prompt_len: int,
+    drafting: bool,
+    may_defer: bool,  # False in lockstep: the vote sized pass 1 for every position
+) -> int:
+    """Where this step's feed ends: the drafter takes [caught_up, result) now and [result, end)
+    waits. A drafting request takes everything; otherwise only prompt positions, unless the wait
+    would grow past MAX_LAG."""
+    if drafting or not may_defer or end - caught_up > MAX_LAG:
+        return end
+    return min(end, max(caught_up, prompt_len))
 
 
 class Feed(NamedTuple):

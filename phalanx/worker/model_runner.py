@@ -32,7 +32,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
-from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer, num_passes
+from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
 
@@ -271,15 +271,21 @@ class ModelRunner:
             num_drafts=num_drafts,
             block_table=block_table,
             token_offsets=offsets,
+            prompt_lens=[self.requests[r].num_prompt_tokens for r in req_ids],
             target_hidden=hidden if self.proposer.needs_target_hidden else None,
             target_aux=aux,
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
         )
-        if self.num_lookahead_slots > 0:  # a model drafter's forwards, for the step-cost model (one
-            # more than it runs in a step where no request feeds it: a request's last tokens)
-            out.num_drafter_passes = num_passes(batch, max(num_drafts, default=0))
-        return self.proposer.propose(batch)
+        drafts = self.proposer.propose(batch)
+        out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
+        if self.num_lookahead_slots > 0:  # requests whose drafter catch-up waits: their blocks are
+            # published to the prefix cache only up to where the drafter's KV is complete
+            for r in req_ids:
+                end = self.proposer.drafter_kv_end(r)
+                if end is not None:
+                    out.drafter_kv_end[r] = end
+        return drafts
 
     def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The lm_head (float32 logits, or the model dtype's), counted as model-forward time in the

@@ -137,9 +137,10 @@ def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
     assert adaptive is not None
     observe = adaptive.observe_step
 
-    def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int) -> None:
+    def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
+              num_logit_rows: int | None = None) -> None:
         observe(num_rows, 1.0 + row_seconds * num_rows + pass_seconds * drafter_passes, pass_seconds * drafter_passes,
-                drafter_passes)
+                drafter_passes, num_logit_rows)
 
     adaptive.observe_step = fixed  # type: ignore[method-assign]
 

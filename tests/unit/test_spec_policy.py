@@ -31,13 +31,15 @@ from phalanx.spec_decode.adaptive import (
 from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, expected_tokens
 
 
-def _ratio(accept: np.ndarray, lengths: np.ndarray, step_cost: np.ndarray, pass_cost: float) -> float:
+def _ratio(accept: np.ndarray, lengths: np.ndarray, step_cost: np.ndarray, pass_cost: float,
+           first_cost: float) -> float:
     depth = int(lengths.max(initial=0))
-    return expected_tokens(accept, lengths) / (step_cost[int(lengths.sum())] + pass_cost * max(depth - 1, 0))
+    drafter = (first_cost + pass_cost * (depth - 1)) if depth else 0.0
+    return expected_tokens(accept, lengths) / (step_cost[int(lengths.sum())] + drafter)
 
 
 @st.composite
-def _problems(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+def _problems(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     num_reqs = draw(st.integers(1, 4))
     k = draw(st.integers(1, 4))
     accept = draw(arrays(np.float64, (num_reqs, k), elements=st.floats(0.0, 1.0)))
@@ -46,40 +48,42 @@ def _problems(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray, floa
     steps = draw(arrays(np.float64, int(caps.sum()), elements=st.floats(0.0, 2.0)))
     step_cost = base + np.concatenate(([0.0], np.cumsum(steps)))  # non-decreasing, > 0
     pass_cost = draw(st.floats(0.0, 5.0))
-    return accept, caps, step_cost, pass_cost
+    first_cost = draw(st.sampled_from([0.0, 0.0, draw(st.floats(0.0, 5.0))]))
+    return accept, caps, step_cost, pass_cost, first_cost
 
 
 @settings(max_examples=400, deadline=None)
 @given(_problems())
 def test_the_choice_is_the_brute_force_optimum(problem) -> None:  # noqa: ANN001
-    accept, caps, step_cost, pass_cost = problem
+    accept, caps, step_cost, pass_cost, first_cost = problem
     before = (accept.copy(), caps.copy(), step_cost.copy())
-    lengths = choose_draft_lengths(accept, caps, step_cost, pass_cost)
+    lengths = choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost)
     assert np.array_equal(accept, before[0]) and np.array_equal(caps, before[1])
     assert np.array_equal(step_cost, before[2])  # pure: nothing it reads is changed
     assert lengths.dtype == np.int64 and lengths.shape == caps.shape
     assert ((lengths >= 0) & (lengths <= caps)).all()
     best = max(
-        _ratio(accept, np.array(d), step_cost, pass_cost) for d in itertools.product(*(range(c + 1) for c in caps))
+        _ratio(accept, np.array(d), step_cost, pass_cost, first_cost)
+        for d in itertools.product(*(range(c + 1) for c in caps))
     )
-    assert _ratio(accept, lengths, step_cost, pass_cost) >= best * (1 - 1e-9)
+    assert _ratio(accept, lengths, step_cost, pass_cost, first_cost) >= best * (1 - 1e-9)
 
 
 @settings(max_examples=300, deadline=None)
 @given(_problems())
 def test_the_plain_python_path_chooses_the_same(problem) -> None:  # noqa: ANN001
     """`choose_draft_lengths_small` (plain Python, low concurrency) == `choose_draft_lengths`."""
-    accept, caps, step_cost, pass_cost = problem
-    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost)
-    assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost).tolist()
+    accept, caps, step_cost, pass_cost, first_cost = problem
+    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost, first_cost)
+    assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost).tolist()
 
 
 @settings(max_examples=100, deadline=None)
 @given(_problems())
 def test_an_equally_good_choice_with_fewer_drafts_is_preferred(problem) -> None:  # noqa: ANN001
     """Ties go to fewer passes, then fewer rows: with nothing ever accepted nobody drafts."""
-    _, caps, step_cost, pass_cost = problem
-    lengths = choose_draft_lengths(np.zeros((caps.shape[0], 4)), caps, step_cost, pass_cost)
+    _, caps, step_cost, pass_cost, first_cost = problem
+    lengths = choose_draft_lengths(np.zeros((caps.shape[0], 4)), caps, step_cost, pass_cost, first_cost)
     assert (lengths == 0).all()
 
 
@@ -103,6 +107,15 @@ def test_an_expensive_pass_keeps_drafts_one_deep() -> None:
     accept = np.full((2, 3), 0.9)
     lengths = choose_draft_lengths(accept, np.array([3, 3]), np.ones(7), pass_cost=10.0)
     assert lengths.tolist() == [1, 1]
+
+
+def test_a_costly_first_pass_is_paid_only_for_enough_gain() -> None:
+    """The drafter's first pass runs only when something is drafted: two requests accepting 30 %
+    draft while it costs a tenth of a step, nothing when it costs as much as their gain."""
+    accept = np.full((2, 3), 0.3)
+    step_cost = 1.0 + 0.01 * np.arange(7)
+    assert choose_draft_lengths(accept, np.array([3, 3]), step_cost, 0.0, first_cost=0.1).tolist() == [3, 3]
+    assert choose_draft_lengths(accept, np.array([3, 3]), step_cost, 0.0, first_cost=0.5).tolist() == [0, 0]
 
 
 def test_step_cost_too_short_is_an_error() -> None:
@@ -154,10 +167,10 @@ def test_one_measured_step_gives_the_prior_shape() -> None:
     assert not costs.measured
     costs.observe(4, 2.0, 0.3, 3)
     assert costs.measured
-    step_cost, pass_cost = costs.step_cost(4, 2)
-    assert pass_cost == pytest.approx(0.1)
+    step_cost, first_cost, pass_cost = costs.step_cost(4, 2)
+    assert pass_cost == pytest.approx(0.1) and first_cost == pytest.approx(0.1)
     slope = 2.0 / (4 + PRIOR_FIXED_ROWS)
-    at_base = 2.0 - 2 * pass_cost  # the same step with one drafter pass
+    at_base = 2.0 - first_cost - 2 * pass_cost  # the same step without the drafter
     assert step_cost == pytest.approx([at_base, at_base + slope, at_base + 2 * slope])
 
 
@@ -171,10 +184,46 @@ def test_the_fit_recovers_rows_and_passes_apart() -> None:
         rows = int(rng.integers(16, 48)) + 4 * (3 - passes)
         costs.observe(rows, 0.010 + 0.0008 * rows + 0.0003 * (passes - 1) + rng.normal(0, 0.0005),
                       0.001 + 0.0003 * (passes - 1), passes)
-    fixed, per_row, pass_cost = costs.fit(32)
-    assert per_row == pytest.approx(0.0008, rel=0.1)
-    assert pass_cost == pytest.approx(0.0003, rel=0.25)
-    assert fixed == pytest.approx(0.010, rel=0.1)
+    fit = costs.fit(32)
+    assert fit.per_logit_row == pytest.approx(0.0008, rel=0.1)  # every row computed logits
+    assert fit.pass_cost == pytest.approx(0.0003, rel=0.25)
+    assert fit.fixed + fit.first_cost == pytest.approx(0.010, rel=0.1)  # the drafter always ran: one sum
+
+
+def test_the_first_pass_is_priced_apart_when_it_is_skipped() -> None:
+    """At high load no request drafts in most steps and the drafter runs no pass; every 16th step
+    one request drafts and pass 1 (1.5 ms: its catch-up) runs. The fit prices it apart from the
+    rows, which cost 0.8 ms each, and the step without it at the target's time."""
+    rng = np.random.default_rng(4)
+    costs = StepCostModel()
+    for step in range(512):
+        ran = step % EXPLORE_EVERY == 0
+        rows = int(rng.integers(24, 40)) + int(ran)
+        drafter = 0.0015 if ran else 0.0
+        costs.observe(rows, 0.010 + 0.0008 * rows + drafter + rng.normal(0, 0.0003), drafter, int(ran))
+    fit = costs.fit(32)
+    assert fit.first_cost == pytest.approx(0.0015, rel=0.1)
+    assert fit.per_logit_row == pytest.approx(0.0008, rel=0.1)
+    assert fit.fixed == pytest.approx(0.010, rel=0.1)
+
+
+def test_a_draft_row_is_priced_as_a_row_that_computes_logits() -> None:
+    """Prompt rows cost 0.6 ms, rows that compute logits (decode and draft rows) 0.9 ms (the lm_head
+    and sampling on top): at high load most of the rows' variation is prompt chunks, yet a draft row
+    is priced at its 0.9 ms, not at the prompt rows' 0.6."""
+    rng = np.random.default_rng(5)
+    costs = StepCostModel()
+    for step in range(512):
+        decode = 32 + int(rng.integers(0, 8))  # 32 requests, a few drafting one token
+        prompt = int(rng.integers(16, 64)) if step % 4 == 0 else 0  # a new request's prompt chunk
+        seconds = 0.010 + 0.0006 * (decode + prompt) + 0.0003 * decode + rng.normal(0, 0.0003)
+        costs.observe(decode + prompt, seconds, 0.0, 0, num_logit_rows=decode)
+    fit = costs.fit(40)
+    assert fit.per_row == pytest.approx(0.0006, rel=0.15)
+    assert fit.per_logit_row == pytest.approx(0.0009, rel=0.1)
+    step_cost, _, _ = costs.step_cost(32, 2, base_logit_rows=32)
+    assert step_cost[1] - step_cost[0] == pytest.approx(0.0009, rel=0.1)
+    assert step_cost[0] == pytest.approx(0.010 + 0.0009 * 32, rel=0.05)
 
 
 def test_a_slow_spell_is_not_charged_to_the_rows_drafted_during_it() -> None:
@@ -186,8 +235,7 @@ def test_a_slow_spell_is_not_charged_to_the_rows_drafted_during_it() -> None:
         slow = t >= 200
         rows = int(rng.integers(1, 3)) + (2 if slow else 0)
         costs.observe(rows, (0.010 + 0.0005 * rows) * (1.5 if slow else 1.0), 0.0, 0)
-    _, per_row, _ = costs.fit(3)
-    assert 0.0003 < per_row < 0.0009
+    assert 0.0003 < costs.fit(3).per_logit_row < 0.0009
 
 
 def test_the_fit_is_local_to_the_batch_size_asked_about() -> None:
@@ -198,8 +246,8 @@ def test_the_fit_is_local_to_the_batch_size_asked_about() -> None:
     for _ in range(512):
         rows = int(rng.integers(1, 5)) if rng.random() < 0.5 else int(rng.integers(48, 80))
         costs.observe(rows, 0.010 + 0.001 * max(rows - 8, 0), 0.0, 0)
-    assert costs.fit(2)[1] < 0.0002
-    assert costs.fit(64)[1] == pytest.approx(0.001, rel=0.1)
+    assert costs.fit(2).per_logit_row < 0.0002
+    assert costs.fit(64).per_logit_row == pytest.approx(0.001, rel=0.1)
 
 
 def test_a_pass_is_priced_from_the_drafter_timer() -> None:
@@ -212,9 +260,9 @@ def test_a_pass_is_priced_from_the_drafter_timer() -> None:
         rows = int(rng.integers(24, 40))
         drafter = 0.001 + 0.00002 * rows + 0.0002 * (passes - 1)
         costs.observe(rows, 0.010 + 0.0008 * rows + drafter + rng.uniform(-0.003, 0.003), drafter, passes)
-    _, per_row, pass_cost = costs.fit(32)
-    assert pass_cost == pytest.approx(0.0002, rel=0.25)  # a little above: the ridge's prior is an upper bound
-    assert per_row == pytest.approx(0.00082, rel=0.25)
+    fit = costs.fit(32)
+    assert fit.pass_cost == pytest.approx(0.0002, rel=0.25)  # a little above: the ridge's prior is an upper bound
+    assert fit.per_logit_row == pytest.approx(0.00082, rel=0.25)
 
 
 def test_passes_that_never_vary_cost_their_average() -> None:
@@ -223,7 +271,8 @@ def test_passes_that_never_vary_cost_their_average() -> None:
     costs = StepCostModel()
     for rows in [8, 9, 10, 11] * 20:
         costs.observe(rows, 0.010 + 0.001 * rows, 0.003, 3)
-    assert costs.fit(9)[2] == pytest.approx(0.001, rel=0.05)
+    assert costs.fit(9).pass_cost == pytest.approx(0.001, rel=0.05)
+    assert costs.fit(9).first_cost == pytest.approx(0.001, rel=0.05)
 
 
 def test_a_fit_is_reused_for_a_few_steps() -> None:
@@ -255,11 +304,12 @@ def test_predicted_times_are_positive_and_never_fall(steps, base, extra) -> None
     costs = StepCostModel(window=16)
     for rows, seconds, drafter, passes in steps:
         costs.observe(rows, seconds, drafter * seconds, passes)
-    step_cost, pass_cost = costs.step_cost(base, extra)
+    step_cost, first_cost, pass_cost = costs.step_cost(base, extra)
     assert len(step_cost) == extra + 1
     assert all(np.isfinite(step_cost)) and step_cost[0] > 0
     assert (np.diff(step_cost) >= 0).all()
     assert np.isfinite(pass_cost) and pass_cost >= 0
+    assert np.isfinite(first_cost) and first_cost >= 0
 
 
 def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:

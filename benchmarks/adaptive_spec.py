@@ -1,8 +1,9 @@
 """Adaptive draft length against plain decoding and fixed k, through `phalanx serve`.
 
 For one model and speculative method it serves, one server per mode, `plain` (no speculation),
-`k=1`, `k=2`, `k=3` (and any other --ks) and `adaptive` (k = the largest of --ks, `"adaptive":
-true`), and drives each with greedy streamed chat requests at every concurrency of
+`k=1`, `k=2`, `k=3` (and any other --ks), `dbs=N` with --dbs N (the largest k, drafting only in
+batches of at most N requests: `phalanx serve`'s default for SmolLM2 uses 8) and `adaptive` (k =
+the largest of --ks, `"adaptive": true`), and drives each with greedy streamed chat requests at every concurrency of
 --concurrency (one request in flight per slot, --requests-per-slot x concurrency requests, at
 least --min-requests), from the model's held-out questions or --dataset. It prints output tokens/s
 per mode and concurrency, mean TPOT, mean acceptance length and the draft lengths the adaptive
@@ -118,6 +119,8 @@ def mode_flags(mode: str, spec: dict[str, Any], max_k: int, extra: list[str]) ->
     cfg = dict(spec)
     if mode == "adaptive":
         cfg.update(num_speculative_tokens=max_k, adaptive=True)
+    elif mode.startswith("dbs="):  # static k = max_k with disable_by_batch_size
+        cfg.update(num_speculative_tokens=max_k, disable_by_batch_size=int(mode.split("=")[1]))
     else:
         cfg.update(num_speculative_tokens=int(mode.split("=")[1]))
     return [*extra, "--speculative-config", json.dumps(cfg)]
@@ -224,6 +227,8 @@ def main() -> int:
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the mixed workload (half opted out, half code-like prompts)")
     p.add_argument("--modes", default=None, help="subset of modes, e.g. plain,k=1,adaptive (default: all)")
+    p.add_argument("--dbs", type=int, default=None,
+                   help="also a static mode with the largest k and this disable_by_batch_size (mode dbs=N)")
     p.add_argument("--serve-args", default="", help="extra `phalanx serve` flags, e.g. '--num-threads 2'")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--level-timeout", type=float, default=1800.0, help="ceiling per (mode, workload, c)")
@@ -234,6 +239,8 @@ def main() -> int:
     args.serve_args = args.serve_args.split()
     ks = sorted(int(k) for k in args.ks.split(","))
     modes = args.modes.split(",") if args.modes else ["plain", *(f"k={k}" for k in ks), "adaptive"]
+    if args.dbs is not None:
+        modes.insert(len(modes) - ("adaptive" in modes), f"dbs={args.dbs}")
     spec = json.loads(args.spec)
     if "num_speculative_tokens" in spec or "adaptive" in spec:
         p.error("--spec must leave out num_speculative_tokens and adaptive (the script sets them per mode)")

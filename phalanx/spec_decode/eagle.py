@@ -8,8 +8,8 @@ Per step, pass 1 and one pass per draft position of the deepest request (see ``p
   pass 1   every scheduled request runs its valid positions [nc, nc + num_valid) with the tokens
            one to the right and this step's target features (EAGLE-3: three aux layers fused by
            fc); the last position of each drafting request drafts token 1. A request that does
-           not draft keeps the features of its new positions instead (`Waiting`) and feeds them,
-           with the tokens, when it drafts again (``proposer``: deferred catch-up).
+           not draft keeps the raw features of its new positions instead (`Waiting`) and feeds
+           them, with the tokens, when it drafts again (``proposer``: deferred catch-up).
   pass j   each request that wants a j-th draft feeds (draft j-1, the head's own previous hidden
            state) at the next position and drafts token j.
 """
@@ -44,11 +44,12 @@ from phalanx.spec_decode.proposer import (
 
 
 class Waiting(NamedTuple):
-    """A request's positions not yet fed to the head: from `start` on, with their target features
-    (fused for EAGLE-3), one [n, H] chunk per step."""
+    """A request's positions not yet fed to the head: from `start` on, with their raw target
+    features (`_raw`), one chunk per step: rows of that step's gathered tensor (views: a step's
+    gather stays alive while one of its requests waits; fc runs only when they are fed)."""
 
     start: int
-    features: list[torch.Tensor]
+    rows: list[torch.Tensor]
 
 
 class EagleProposer:
@@ -137,17 +138,18 @@ class EagleProposer:
         self.passes_run = passes
         if passes == 0:
             return drafts
-        features = self._features(batch, fed_rows)
-        if any(w is not None for w in kept):  # each caught-up request's waiting features go first
+        raw = self._raw(batch, fed_rows)
+        if any(w is not None for w in kept):  # each caught-up request's waiting rows go first
             pieces, at = [], 0
             for f, w in zip(feeds, kept):
                 n = len(f.token_ids)  # positions fed: the waiting ones, then this step's
                 if w is not None:
-                    pieces.extend(w.features)
-                    n -= sum(len(c) for c in w.features)
-                pieces.append(features[at : at + n])
+                    pieces.extend(w.rows)
+                    n -= sum(len(c) for c in w.rows)
+                pieces.append(raw[at : at + n])
                 at += n
-            features = torch.cat(pieces)
+            raw = torch.cat(pieces)
+        features = self._fuse(raw)
         chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
@@ -178,23 +180,25 @@ class EagleProposer:
         return draft_rest(batch, drafts, rows, tokens, positions, self.block_size, passes, forward,
                           self.head.draft_token_ids)
 
-    def _features(self, batch: ProposeBatch, rows: list[int]) -> torch.Tensor:  # [len(rows), H]
-        """The head's input features of these target rows (EAGLE-3: the aux layers fused by fc)."""
+    def _raw(self, batch: ProposeBatch, rows: list[int]) -> torch.Tensor:  # [len(rows), F]
+        """The target's features at these rows, before the head's fc: EAGLE-3 its three aux layers
+        side by side (F = 3 H), EAGLE-1 its final hidden state (F = H)."""
         index = torch.tensor(rows, dtype=torch.int64)
         if self.is_eagle3:
-            assert isinstance(self.head, Eagle3Head)
-            return self.head.fuse([a[index] for a in batch.target_aux])
+            return torch.cat([a[index] for a in batch.target_aux], dim=-1)
         assert batch.target_hidden is not None
         return batch.target_hidden[index]
 
+    def _fuse(self, raw: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n, H] the head's input features
+        return self.head.fc(raw) if self.is_eagle3 else raw
+
     def _wait(self, batch: ProposeBatch, rows: list[int], spans: list[tuple[str, int, int]]) -> None:
-        """Keep the features of positions that wait (a copy per request: a view would keep the
-        whole step's tensor alive)."""
-        features = self._features(batch, rows)
+        """Keep the raw features of the positions that wait, per request."""
+        raw = self._raw(batch, rows)
         at = 0
         for req_id, first, n in spans:
             waiting = self._waiting.get(req_id)
             if waiting is None:
                 waiting = self._waiting[req_id] = Waiting(first, [])
-            waiting.features.append(features[at : at + n].clone())
+            waiting.rows.append(raw[at : at + n])
             at += n

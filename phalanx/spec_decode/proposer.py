@@ -27,7 +27,7 @@ over the whole batch every step; a request that never drafts again never pays fo
 positions are always fed, and a request's blocks are published to the prefix cache only up to where
 its drafter KV is complete (`drafter_kv_end`, read by the scheduler), so a prefix-cache hit always
 brings the drafter's KV along. A wait longer than `MAX_LAG` positions is caught up at once (it
-bounds the features an EAGLE head keeps per request).
+bounds the target features an EAGLE head keeps per request).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def _run(models: dict[str, Path], method: str, dtype: str, max_lag: int | None,
             waiting = [r for r in batch.req_ids if proposer.drafter_kv_end(r) is not None]
             seen.append((len(batch.req_ids), proposer.passes_run, len(waiting)))
             for w in getattr(proposer, "_waiting", {}).values():  # EAGLE keeps the waiting features
-                assert sum(len(c) for c in w.features) <= proposer_module.MAX_LAG
+                assert sum(len(c) for c in w.rows) <= proposer_module.MAX_LAG
             return drafts
 
         proposer.propose = spy

@@ -152,3 +152,56 @@ def test_a_second_turn_hits_only_blocks_with_drafter_kv(method: str, models: dic
     assert miss.outputs[0].num_accepted_tokens == miss.outputs[0].num_draft_tokens > 0
     assert hit.outputs[0].num_draft_tokens == miss.outputs[0].num_draft_tokens
     assert hit.outputs[0].num_accepted_tokens == miss.outputs[0].num_accepted_tokens
+
+
+def _drafts_by_position(llm: LLM) -> dict[tuple[str, int], list[int]]:
+    """Every proposal's drafts, by (request, tokens it had): what a correct drafter KV determines."""
+    proposer = llm.engine.runner.proposer
+    seen: dict[tuple[str, int], list[int]] = {}
+    propose = proposer.propose
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        drafts = propose(batch)
+        for r, tokens, d in zip(batch.req_ids, batch.token_ids, drafts):
+            if d:
+                seen[(r, len(tokens))] = list(d)
+        return drafts
+
+    proposer.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_waits_survive_preemption_chunking_and_prefix_hits(method: str, models: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`disable_by_batch_size` 2 so that most steps defer, prompts chunked 10 tokens a step, a cache
+    so small that waiting requests are preempted and recomputed, and (a roomier engine) a second
+    round over the same prompts that hits the prefix cache: outputs are plain decoding's, and each
+    request's drafts at each length equal those of an engine that feeds every position every step
+    (the schedules differ — fewer blocks are published while requests wait — but the drafts a
+    request gets at a given length depend only on its drafter KV being right)."""
+    target = str(models["target"])
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for i in range(n)]} for j, n in enumerate([5, 23, 9, 31, 14])]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 12, 40, 22, 35)]
+    plain = [o.outputs[0].token_ids for o in LLM(target, dtype="float32").generate(prompts, params, use_tqdm=False)]
+    spec = _spec(method, models, disable_by_batch_size=2)
+    runs = []
+    for max_lag in (proposer_module.MAX_LAG, -1):  # -1: never waits
+        monkeypatch.setattr(proposer_module, "MAX_LAG", max_lag)
+        tight = LLM(target, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=20,
+                    max_num_batched_tokens=10, speculative_config=spec)
+        roomy = LLM(target, dtype="float32", block_size=4, max_num_batched_tokens=10, speculative_config=spec)
+        drafts = [_drafts_by_position(tight), _drafts_by_position(roomy)]
+        for llm, rounds in ((tight, 1), (roomy, 2)):
+            for _ in range(rounds):
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outs] == plain
+        assert tight.get_metrics()["num_preemptions"] > 0
+        assert sum(o.num_cached_tokens for o in outs) > 0  # the roomy engine's second round hit the cache
+        runs.append(drafts)
+    for waited, fed in zip(*runs):
+        common = waited.keys() & fed.keys()
+        assert len(common) > 10
+        for key in common:
+            n = min(len(waited[key]), len(fed[key]))
+            assert waited[key][:n] == fed[key][:n], key

@@ -123,9 +123,9 @@ class StepCostModel:
     policy chose during it. The step splits in two parts, each fitted on its own timer: the target's
     part (step minus drafter) against the rows that compute logits and those that do not (a draft
     row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on a small
-    model, and most of the rows' variation at high load is prompts'), and the drafter's part against rows, whether it ran and
-    its later passes together (deep drafts happen at low load and shallow ones at high load, so
-    pricing passes without the rows would charge one for the other). The drafter runs no pass in a
+    model, and most of the rows' variation at high load is prompts'), and the drafter's part
+    against rows, whether it ran and its later passes together (deep drafts happen at low load and
+    shallow ones at high load, so pricing passes without the rows would charge one for the other). The drafter runs no pass in a
     step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
     is priced apart: drafting at all costs it. A pass is ~2 % of a step, below the step's jitter but
     not below the drafter's. Each slope is shrunk towards a prior that stands when its covariate
@@ -233,7 +233,7 @@ class StepCostModel:
             # The target's part against rows without and with logits (where every row computes
             # logits, the first keeps its prior).
             dr = np.stack([dx - dl, dl])  # [2, window]
-            gram = (dr * wd) @ dr.T + np.diag(ridge[:1].repeat(2))
+            gram = (dr * wd) @ dr.T + ridge[0] * np.eye(2)
             rhs = (dr * wd) @ dt + ridge[0] * row_prior
             target_row, logit_row = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
             # The drafter's part against rows (pass 1 catches up on them), whether it ran, and its

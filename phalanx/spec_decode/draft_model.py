@@ -118,8 +118,8 @@ class DraftModelProposer:
             # context's end, so every cached block below it holds draft KV (a later request hitting
             # those blocks in the prefix cache drafts as well as if it had computed them itself).
             drafts_now = batch.num_drafts[i] > 0 and len(tokens) + k <= self.room
-            upto = len(tokens) if batch.num_drafts[i] > 0 else batch.num_computed[i] + batch.num_valid[i]
-            end = min(upto, self.room)
+            end = len(tokens) if batch.num_drafts[i] > 0 else batch.num_computed[i] + batch.num_valid[i]
+            end = min(end, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
             upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer)
             if upto < end:

@@ -226,6 +226,27 @@ def test_a_draft_row_is_priced_as_a_row_that_computes_logits() -> None:
     assert step_cost[0] == pytest.approx(0.010 + 0.0009 * 32, rel=0.05)
 
 
+def test_drafts_that_take_the_batch_far_are_priced_where_they_land() -> None:
+    """Steps measured only at 4-16 rows, where time is flat (weights streamed once): 16 requests
+    drafting 3 each would verify 64 rows. The local tangent at 16 (flat) is not extended there:
+    beyond what was measured the curve follows the prior shape (time ~ rows + 16), and once steps
+    of ~64 rows are measured (1 ms a row above 16), it follows those."""
+    rng = np.random.default_rng(6)
+    costs = StepCostModel(refit_every=1)
+    for _ in range(256):
+        rows = int(rng.integers(4, 17))
+        costs.observe(rows, 0.020 + rng.normal(0, 0.0002), 0.0, 0)
+    curve, _, _ = costs.step_cost(16, 48)
+    assert curve[0] == pytest.approx(0.020, rel=0.05)
+    assert curve[48] == pytest.approx(0.020 * (64 + PRIOR_FIXED_ROWS) / (16 + PRIOR_FIXED_ROWS), rel=0.1)
+    assert all(b >= a for a, b in zip(curve, curve[1:]))
+    for _ in range(256):
+        rows = int(rng.integers(56, 72))
+        costs.observe(rows, 0.020 + 0.001 * (rows - 16) + rng.normal(0, 0.0002), 0.0, 0)
+    curve, _, _ = costs.step_cost(16, 48)
+    assert curve[48] == pytest.approx(0.020 + 0.001 * 48, rel=0.1)
+
+
 def test_a_slow_spell_is_not_charged_to_the_rows_drafted_during_it() -> None:
     """The machine slows by half for a while (other tenants) just when the policy drafts more: levels
     alone would price a row at ~2.5 ms; consecutive steps give its true 0.5 ms."""

@@ -125,9 +125,9 @@ class StepCostModel:
     row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on a small
     model, and most of the rows' variation at high load is prompts'), and the drafter's part
     against rows, whether it ran and its later passes together (deep drafts happen at low load and
-    shallow ones at high load, so pricing passes without the rows would charge one for the other). The drafter runs no pass in a
-    step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
-    is priced apart: drafting at all costs it. A pass is ~2 % of a step, below the step's jitter but
+    shallow ones at high load, so pricing passes without the rows would charge one for the other).
+    The drafter runs no pass in a step where no request drafts (its catch-up waits:
+    ``spec_decode.proposer``), so the first pass is priced apart: drafting at all costs it. A pass is ~2 % of a step, below the step's jitter but
     not below the drafter's. Each slope is shrunk towards a prior that stands when its covariate
     does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows + PRIOR_FIXED_ROWS
     through the local means (a fixed part worth that many rows: weights streamed once per step),
@@ -146,7 +146,7 @@ class StepCostModel:
         # A fit (~60 numpy operations, ~0.15 ms here: ~1 % of a step at concurrency 1) is reused for this
         # many steps at the same base; it moves little in 8 of a 128-step half-life.
         self.refit_every = refit_every
-        self._fits: dict[float, StepFit] = {}
+        self._fits: dict[float, StepFit | None] = {}  # rows -> its fit (None: nothing measured near)
         self._fits_since = 0
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
@@ -185,8 +185,8 @@ class StepCostModel:
 
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of `base_rows`."""
-        if base_rows in self._fits:  # fitted there lately: it was (the window keeps 512 steps)
-            return True
+        if base_rows in self._fits:  # asked lately (the answer stands for `refit_every` steps)
+            return self._fits[base_rows] is not None
         return bool((np.isfinite(self._age) & (np.abs(self._nearness(base_rows)) <= 2.0)).any())
 
     def fit(self, base_rows: float) -> StepFit:
@@ -250,16 +250,16 @@ class StepCostModel:
         fixed = mt + md - per_row * (mx - ml) - logit_row * ml - first_cost * mu - pass_cost * mq
         return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost))
 
-    def _cached_fit(self, rows: float) -> StepFit:
-        """The fit at `rows`, reused for up to `refit_every` steps."""
+    def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
+        """The fit at `rows` (None where no step was measured within its cut, unless `always`),
+        reused for up to `refit_every` steps."""
         if self._count - self._fits_since >= self.refit_every:
             self._fits.clear()
-        got = self._fits.get(rows)
-        if got is None:
+        if rows not in self._fits or (always and self._fits[rows] is None):
             if not self._fits:
                 self._fits_since = self._count
-            got = self._fits[rows] = self.fit(rows)
-        return got
+            self._fits[rows] = self.fit(rows) if always or self.measured_near(rows) else None
+        return self._fits[rows]
 
     def step_cost(self, base_rows: float, num_extra: int, base_logit_rows: float | None = None
                   ) -> tuple[list[float], float, float]:
@@ -279,17 +279,18 @@ class StepCostModel:
         anchors = [float(base_rows)]
         while anchors[-1] < top:
             anchors.append(min(2.0 * anchors[-1] + PRIOR_FIXED_ROWS, float(top)))
+        base = self._cached_fit(anchors[0], always=True)
+        assert base is not None
         times: list[float] = []
         for i, a in enumerate(anchors):
-            if i and not self.measured_near(a):
+            f = base if i == 0 else self._cached_fit(a)
+            if f is None:
                 times.append(times[-1] * (a + PRIOR_FIXED_ROWS) / (anchors[i - 1] + PRIOR_FIXED_ROWS))
-            else:
-                f = self._cached_fit(a)
-                logits = logit_base + (a - base_rows)  # draft rows compute logits
-                # a fit extrapolated below zero stays positive
-                times.append(max(f.fixed + f.per_row * (a - logits) + f.per_logit_row * logits, 1e-6))
+                continue
+            logits = logit_base + (a - base_rows)  # draft rows compute logits
+            # a fit extrapolated below zero stays positive
+            times.append(max(f.fixed + f.per_row * (a - logits) + f.per_logit_row * logits, 1e-6))
         curve = np.maximum.accumulate(np.interp(base_rows + np.arange(num_extra + 1), anchors, times))
-        base = self._cached_fit(float(base_rows))
         return curve.tolist(), base.first_cost, base.pass_cost
 
 

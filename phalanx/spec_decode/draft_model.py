@@ -95,8 +95,8 @@ class DraftModelProposer:
         self._computed.pop(req_id, None)
         self._behind.discard(req_id)
 
-    def drafter_kv_end(self, req_id: str) -> int | None:
-        return self._computed[req_id] if req_id in self._behind else None
+    def drafter_kv_ends(self) -> dict[str, int]:
+        return {r: self._computed[r] for r in self._behind}
 
     def _run(self, p: DrafterPass) -> torch.Tensor:  # -> hidden [T_real + pad, H]
         hidden, _ = self.model(p.input_ids, self.kv_caches, p.meta)

@@ -82,9 +82,8 @@ class EagleProposer:
     def finish_request(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
 
-    def drafter_kv_end(self, req_id: str) -> int | None:
-        waiting = self._waiting.get(req_id)
-        return None if waiting is None else waiting.start
+    def drafter_kv_ends(self) -> dict[str, int]:
+        return {r: w.start for r, w in self._waiting.items()}
 
     def _run(self, p: DrafterPass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if p.num_pad:  # padding rows carry zero features

@@ -54,8 +54,8 @@ class NgramProposer:
     def finish_request(self, req_id: str) -> None:
         pass
 
-    def drafter_kv_end(self, req_id: str) -> int | None:
-        return None  # no drafter KV
+    def drafter_kv_ends(self) -> dict[str, int]:
+        return {}  # no drafter KV
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         k = self.num_speculative_tokens

@@ -25,7 +25,7 @@ one pass with its new ones. Under load, where the policy (or `disable_by_batch_s
 few requests or none, pass 1 then runs for the drafting requests only, or not at all, instead of
 over the whole batch every step; a request that never drafts again never pays for it. Prompt
 positions are always fed, and a request's blocks are published to the prefix cache only up to where
-its drafter KV is complete (`drafter_kv_end`, read by the scheduler), so a prefix-cache hit always
+its drafter KV is complete (`drafter_kv_ends`, read by the scheduler), so a prefix-cache hit always
 brings the drafter's KV along. A wait longer than `MAX_LAG` positions is caught up at once (it
 bounds the target features an EAGLE head keeps per request).
 """
@@ -92,9 +92,9 @@ class Proposer(Protocol):
         """Drafts per request of the batch ([] for requests that did not sample)."""
         ...
 
-    def drafter_kv_end(self, req_id: str) -> int | None:
-        """For a request whose catch-up is deferred: the first position without drafter KV (its
-        blocks from there on stay out of the prefix cache). None when it is caught up."""
+    def drafter_kv_ends(self) -> dict[str, int]:
+        """Each request whose catch-up is deferred: the first position without drafter KV (its
+        blocks from there on stay out of the prefix cache). Requests caught up are absent."""
         ...
 
 

@@ -279,12 +279,9 @@ class ModelRunner:
         )
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
-        if self.num_lookahead_slots > 0:  # requests whose drafter catch-up waits: their blocks are
-            # published to the prefix cache only up to where the drafter's KV is complete
-            for r in req_ids:
-                end = self.proposer.drafter_kv_end(r)
-                if end is not None:
-                    out.drafter_kv_end[r] = end
+        # requests whose drafter catch-up waits: their blocks are published to the prefix cache only
+        # up to where the drafter's KV is complete
+        out.drafter_kv_end = self.proposer.drafter_kv_ends()
         return drafts
 
     def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

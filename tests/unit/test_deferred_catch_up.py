@@ -70,7 +70,7 @@ def _run(models: dict[str, Path], method: str, dtype: str, max_lag: int | None,
         def spy(batch):  # noqa: ANN001, ANN202
             drafts = propose(batch)
             calls.append((list(batch.req_ids), [list(d) for d in drafts]))
-            waiting = [r for r in batch.req_ids if proposer.drafter_kv_end(r) is not None]
+            waiting = [r for r in batch.req_ids if r in proposer.drafter_kv_ends()]
             seen.append((len(batch.req_ids), proposer.passes_run, len(waiting)))
             for w in getattr(proposer, "_waiting", {}).values():  # EAGLE keeps the waiting features
                 assert sum(len(c) for c in w.rows) <= proposer_module.MAX_LAG

@@ -46,6 +46,8 @@ class EngineCore:
             disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
             adaptive=self.adaptive,
         )
+        # the last step's observation for the adaptive policy, waiting for the next step's start
+        self._last_step: tuple[dict, float, float, bool] | None = None
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
         self.num_prompt_tokens = 0
@@ -111,14 +113,29 @@ class EngineCore:
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         if self.adaptive is not None:
-            self.adaptive.observe_step(
+            num_draft_rows = sum(len(d) for d in sched.scheduled_spec_tokens.values())
+            self._observe_step(t0, dict(
                 num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
-                seconds=time.perf_counter() - t0,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
                 drafter_passes=result.num_drafter_passes,
-                num_logit_rows=len(sched.reaching_end) + sum(len(d) for d in sched.scheduled_spec_tokens.values()),
-            )
+                drafter_rows=result.drafter_rows_fed,
+                num_logit_rows=len(sched.reaching_end) + num_draft_rows,
+                num_draft_rows=num_draft_rows,
+            ))
         return outputs
+
+    def _observe_step(self, t0: float, step: dict) -> None:
+        """Give the adaptive policy the previous step, timed from its start to this one's when the
+        engine went straight on (requests in flight): what the loop does between steps (sending
+        outputs, taking new requests in, in an API server; detokenizing, offline) is paid once per
+        step, so fewer, longer steps save it, and it belongs in the step's time. After an idle
+        spell the previous step counts its own time only. This step waits for the next."""
+        assert self.adaptive is not None
+        now = time.perf_counter()
+        if self._last_step is not None:
+            last, start, end, went_on = self._last_step
+            self.adaptive.observe_step(seconds=(t0 if went_on else end) - start, **last)
+        self._last_step = (step, t0, now, self.has_unfinished_requests())
 
     # ---- data-parallel lockstep (DESIGN §5) ------------------------------------------------
     def step_lockstep(

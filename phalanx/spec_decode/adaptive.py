@@ -18,16 +18,26 @@ from typing import NamedTuple
 
 import numpy as np
 
-from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small
+from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, step_rate
 
-# Up to this many candidate positions (requests x k) the policy runs in plain Python (faster than
-# numpy's per-call overhead at that size), above it in numpy: the same choice either way.
-SMALL_PROBLEM = 16
+# Up to this many candidate positions (requests x k) the policy runs in plain Python, above it in
+# numpy: the same choice either way. Measured between forward passes (where the scheduler runs:
+# caches cold, each numpy call's first touch costs tens of microseconds), plain Python is the
+# faster up to ~190 positions (R = 64, k = 3: 0.39 ms either way; R = 16: 0.15 ms vs 0.35).
+SMALL_PROBLEM = 128
 # Every this many decisions one request gets one draft more than the policy chose (one more row,
 # and one more drafter pass when it was among the deepest), so that the next row's and the next
 # pass's costs keep being measured: a policy settled on one pass would otherwise never see what a
 # second costs, and would keep the prior's (an upper bound) for good.
 EXPLORE_EVERY = 16
+# Every this many decisions every request drafts its cap, if the policy chose less and the model
+# predicts that within WIDE_EXPLORE_MARGIN of the choice's tokens per second: while the policy
+# drafts little, the batch at its deepest (its verification rows, every pass) is measured by
+# nothing else, and the curve there rests on prompt chunks of that size (a different mix of work)
+# or on the prior, which can keep a policy from drafting where it pays. Where the deep step is
+# measured and clearly loses, it is not tried again until its measurement ages out of the window.
+WIDE_EXPLORE_EVERY = 64
+WIDE_EXPLORE_MARGIN = 0.8
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
@@ -35,8 +45,9 @@ PRIOR_FIXED_ROWS = 16.0
 
 
 class AcceptanceStats:
-    """Per-request acceptance counts per draft position, decayed so that they follow the recent
-    text, smoothed towards the engine-wide counts, themselves smoothed towards `prior`.
+    """Per-request acceptance counts per draft position, decayed (per test of the position) so that
+    they follow the recent text, smoothed towards the engine-wide counts, themselves smoothed towards
+    `prior`.
 
     A verification of n drafts that accepted a tests positions 1..min(a + 1, n) (position j is
     only tested when 1..j-1 were accepted) and accepts positions 1..a; the rate at position j is
@@ -61,15 +72,19 @@ class AcceptanceStats:
         self._counts: dict[str, tuple[list[float], list[float]]] = {}  # req_id -> (tested, accepted)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Counts decay per test of their own position: a position tested rarely (a third draft, while
+        the policy drafts one or two) keeps what its last tests said instead of fading to the prior
+        with every verification of the first, which would keep the policy from ever drafting there."""
         tested_upto = min(num_accepted + 1, num_drafts)
         tested, accepted = self._counts.setdefault(req_id, ([0.0] * self.k, [0.0] * self.k))
         d, e = self.request_decay, self.engine_decay
-        for j in range(self.k):
-            t_j, a_j = float(j < tested_upto), float(j < num_accepted)
-            tested[j] = tested[j] * d + t_j
+        et, ea = self.engine_tested, self.engine_accepted
+        for j in range(tested_upto):
+            a_j = float(j < num_accepted)
+            tested[j] = tested[j] * d + 1.0
             accepted[j] = accepted[j] * d + a_j
-            self.engine_tested[j] = self.engine_tested[j] * e + t_j
-            self.engine_accepted[j] = self.engine_accepted[j] * e + a_j
+            et[j] = et[j] * e + 1.0
+            ea[j] = ea[j] * e + a_j
 
     def forget(self, req_id: str) -> None:
         self._counts.pop(req_id, None)
@@ -95,14 +110,15 @@ class AcceptanceStats:
 
 class StepFit(NamedTuple):
     """Step time = fixed + per_row * (rows without logits) + per_logit_row * (rows that compute
-    logits) + first_cost * (the drafter ran) + pass_cost * (its passes after the first), near one
-    batch size."""
+    logits) + verify_cost * (the step verifies drafts) + first_cost * (the drafter ran) + pass_cost *
+    (its passes after the first), near one batch size."""
 
     fixed: float
     per_row: float  # a row that computes no logits (a prompt row)
     per_logit_row: float  # a row that does (a decode or draft row): the lm_head and sampling too
     first_cost: float
     pass_cost: float
+    verify_cost: float = 0.0  # what verifying any drafts costs besides their rows
 
 
 class StepCostModel:
@@ -141,13 +157,17 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
-                 row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 8) -> None:
+                 row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 32) -> None:
         self.window, self.bandwidth = window, bandwidth
-        # A fit (~60 numpy operations, ~0.15 ms here: ~1 % of a step at concurrency 1) is reused for this
-        # many steps at the same base; it moves little in 8 of a 128-step half-life.
+        # A fit (~60 numpy operations: ~0.15 ms with warm caches, ~0.45 ms between forward passes,
+        # where the scheduler runs) is reused for this many steps; it moves little in 32 of a
+        # 128-step half-life.
         self.refit_every = refit_every
-        self._fits: dict[float, StepFit | None] = {}  # rows -> its fit (None: nothing measured near)
+        self._fits: dict[int, StepFit | None] = {}  # grid point -> its fit (None: nothing measured near)
+        self._curves: dict[tuple, tuple[list[float], float, float]] = {}  # step_cost's answers, as long as the fits
         self._fits_since = 0
+        self._grid_step = bandwidth / 2
+        self._near: dict[int, bool] = {}  # grid point -> some step measured within its cut (as long as the fits)
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
         self._decay = 0.5 ** (1.0 / half_life)
@@ -156,7 +176,9 @@ class StepCostModel:
         self._seconds = np.zeros(window)
         self._drafter = np.zeros(window)  # drafter seconds (0 where it ran no pass)
         self._passes = np.zeros(window)
-        self._age = np.full(window, np.inf)  # steps since each entry; inf: empty slot
+        self._verifies = np.zeros(window)  # 1.0 where the step verified drafts
+        self._fed = np.zeros(window)  # positions the drafter's first pass fed
+        self._step = np.full(window, -np.inf)  # the step count each entry was taken at; -inf: empty slot
         self._next = 0
         self._count = 0
 
@@ -165,34 +187,46 @@ class StepCostModel:
         return self._count > 0
 
     def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                num_logit_rows: int | None = None) -> None:
+                num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None) -> None:
         """One step: `num_rows` through the target forward, `num_logit_rows` of them computing logits
-        (None: all), `seconds` for the whole step, of which `drafter_seconds` in `drafter_passes`
-        drafter passes."""
+        (None: all), `num_draft_rows` of those verifying drafts, `seconds` for the whole step, of which
+        `drafter_seconds` in `drafter_passes` drafter passes, the first of which fed `drafter_rows`
+        positions (None: the step's rows; more where a catch-up waited, fewer where it now waits)."""
         if num_rows <= 0 or seconds <= 0:
             return
         i = self._next
-        self._age += 1.0
+        self._count += 1
         self._rows[i], self._seconds[i] = float(num_rows), seconds
         self._logit_rows[i] = float(num_rows if num_logit_rows is None else num_logit_rows)
         self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
-        self._age[i] = 0.0
+        self._verifies[i] = float(num_draft_rows > 0)
+        self._fed[i] = float(num_rows if drafter_rows is None else drafter_rows)
+        self._step[i] = self._count
         self._next = (i + 1) % self.window
-        self._count += 1
 
     def _nearness(self, base_rows: float) -> np.ndarray:  # [window] distance in bandwidths
         return np.log((self._rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
 
     def measured_near(self, base_rows: float) -> bool:
-        """Whether some remembered step lies within the fit's cut (two bandwidths) of `base_rows`."""
-        if base_rows in self._fits:  # asked lately (the answer stands for `refit_every` steps)
-            return self._fits[base_rows] is not None
-        return bool((np.isfinite(self._age) & (np.abs(self._nearness(base_rows)) <= 2.0)).any())
+        """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
+        that stands for `base_rows` (`_grid`)."""
+        self._expire()
+        return self._near_any(self._grid(base_rows))
+
+    def _near_any(self, j: int) -> bool:
+        """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands
+        for `refit_every` steps, as the fits do)."""
+        near = self._near.get(j)
+        if near is None:
+            near_rows = np.abs(self._nearness(self._grid_rows(j))) <= 2.0
+            near = self._near[j] = bool((np.isfinite(self._step) & near_rows).any())
+        return near
 
     def fit(self, base_rows: float) -> StepFit:
         """The local fit at `base_rows` (class docstring)."""
         assert self.measured, "no step measured yet"
-        x, y, age, lg = self._rows, self._seconds, self._age, self._logit_rows
+        x, y, lg, v = self._rows, self._seconds, self._logit_rows, self._verifies
+        age = self._count - self._step  # steps since each entry (inf: an empty slot)
         u = (self._passes > 0).astype(np.float64)  # the drafter ran (pass 1)
         q = np.maximum(self._passes - 1.0, 0.0)  # drafter passes after the first
         full = np.isfinite(age)
@@ -211,10 +245,11 @@ class StepCostModel:
         w = w / w.sum()
         d = self._drafter
         t = y - d  # everything but the drafter: the target forward, sampling, scheduling
-        mx, ml, mu, mq, mt, md = w @ x, w @ lg, w @ u, w @ q, w @ t, w @ d
-        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means; pass 1 and each later pass
-        # at the average drafter time per pass.
-        row_prior, drafter_row_prior = mt / (mx + PRIOR_FIXED_ROWS), md / (mx + PRIOR_FIXED_ROWS)
+        fed = self._fed
+        mx, ml, mv, mu, mq, mt, md, mf = w @ x, w @ lg, w @ v, w @ u, w @ q, w @ t, w @ d, w @ fed
+        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means (the drafter's: rows it fed);
+        # pass 1 and each later pass at the average drafter time per pass.
+        row_prior, drafter_row_prior = mt / (mx + PRIOR_FIXED_ROWS), md / (mf + PRIOR_FIXED_ROWS)
         ran = full & (self._passes > 0)
         wp = w[ran].sum()
         pass_prior = float(w[ran] @ (d[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
@@ -227,46 +262,75 @@ class StepCostModel:
         if total > 0:
             wd = wd / total
             dx, dl, du, dq = x - np.roll(x, 1), lg - np.roll(lg, 1), u - np.roll(u, 1), q - np.roll(q, 1)
-            dt, dd = t - np.roll(t, 1), d - np.roll(d, 1)
+            dt, dd, dv, df = t - np.roll(t, 1), d - np.roll(d, 1), v - np.roll(v, 1), fed - np.roll(fed, 1)
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
             ridge = share * np.array([self.row_ridge, self.pass_ridge, self.pass_ridge])
-            # The target's part against rows without and with logits (where every row computes
-            # logits, the first keeps its prior).
-            dr = np.stack([dx - dl, dl])  # [2, window]
-            gram = (dr * wd) @ dr.T + ridge[0] * np.eye(2)
-            rhs = (dr * wd) @ dt + ridge[0] * row_prior
-            target_row, logit_row = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
-            # The drafter's part against rows (pass 1 catches up on them), whether it ran, and its
-            # later passes, from its own timer: a pass is ~2 % of a step, far below the step's
-            # jitter, but not below the drafter's.
-            dz = np.stack([dx, du, dq])  # [3, window]
+            # The target's part against its rows, what a row that computes logits costs on top
+            # (the lm_head and sampling; prior 0: where only prompt rows vary, as near a batch size
+            # reached only by prompt chunks, a draft row costs what a prompt row does) and whether
+            # it verifies drafts (the rejection sampler, the runner's and scheduler's per-draft
+            # work: a fixed cost that one draft row would otherwise carry alone; prior 0).
+            dr = np.stack([dx, dl, dv])  # [3, window]
+            gram = (dr * wd) @ dr.T + np.diag(ridge[[0, 0, 1]])
+            rhs = (dr * wd) @ dt + ridge[[0, 0, 1]] * np.array([row_prior, 0.0, 0.0])
+            target_row, logit_extra, verify_cost = np.linalg.solve(gram, rhs).tolist()
+            # Each clipped as a whole (where every row computes logits the two row terms split one
+            # slope between them, either part possibly below zero).
+            target_row, logit_row, verify_cost = max(target_row, 0.0), max(target_row + logit_extra, 0.0), max(verify_cost, 0.0)
+            # The drafter's part against the rows its first pass fed (a catch-up's included: charged
+            # to the later passes it would make a spell of no drafting look dear), whether it ran,
+            # and its later passes, from its own timer: a pass is ~2 % of a step, far below the
+            # step's jitter, but not below the drafter's.
+            dz = np.stack([df, du, dq])  # [3, window]
             gram = (dz * wd) @ dz.T + np.diag(ridge)
             rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
             drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
-            per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
         else:
-            per_row = logit_row = row_prior + drafter_row_prior
+            target_row = logit_row = row_prior
+            drafter_row = drafter_row_prior
             first_cost = pass_cost = pass_prior
-        fixed = mt + md - per_row * (mx - ml) - logit_row * ml - first_cost * mu - pass_cost * mq
-        return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost))
+            verify_cost = 0.0
+        fixed = (mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv
+                 + md - drafter_row * mf - first_cost * mu - pass_cost * mq)
+        # Priced as if the drafter fed every row of the step (it does when every request drafts).
+        per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
+        return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost),
+                       float(verify_cost))
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
-        """The fit at `rows` (None where no step was measured within its cut, unless `always`),
-        reused for up to `refit_every` steps."""
-        if self._count - self._fits_since >= self.refit_every:
+        """The fit at the grid point nearest `rows` (None where no step was measured within its cut,
+        unless `always`), reused for up to `refit_every` steps."""
+        self._expire()
+        j = self._grid(rows)
+        if j not in self._fits or (always and self._fits[j] is None):
+            self._fits[j] = self.fit(self._grid_rows(j)) if always or self._near_any(j) else None
+        return self._fits[j]
+
+    def _expire(self) -> None:
+        """Drop the fits and curves once the oldest is `refit_every` steps old."""
+        if not self._fits or self._count - self._fits_since >= self.refit_every:
             self._fits.clear()
-        if rows not in self._fits or (always and self._fits[rows] is None):
-            if not self._fits:
-                self._fits_since = self._count
-            self._fits[rows] = self.fit(rows) if always or self.measured_near(rows) else None
-        return self._fits[rows]
+            self._curves.clear()
+            self._near.clear()
+            self._fits_since = self._count
+
+    def _grid(self, rows: float) -> int:
+        """Fits are taken at grid points half the bandwidth apart in log(rows + PRIOR_FIXED_ROWS), the
+        nearest one standing for `rows` (a fit weighs steps up to two bandwidths away: it moves little
+        over a quarter of one): batch sizes that differ by a request or a prompt chunk share one fit
+        instead of each taking its own."""
+        return max(round(np.log((rows + PRIOR_FIXED_ROWS) / PRIOR_FIXED_ROWS) / self._grid_step), 0)
+
+    def _grid_rows(self, j: int) -> float:
+        return PRIOR_FIXED_ROWS * float(np.exp(j * self._grid_step)) - PRIOR_FIXED_ROWS
 
     def step_cost(self, base_rows: float, num_extra: int, base_logit_rows: float | None = None
                   ) -> tuple[list[float], float, float]:
         """Predicted seconds of a step of `base_rows` rows (`base_logit_rows` of them computing logits;
-        None: all) + m draft rows for m = 0..num_extra without a drafter pass, the cost of its first
-        pass (run when some request drafts) and of each pass after the first; every predicted time
-        > 0 and non-decreasing in m. From fits at most `refit_every` steps old.
+        None: all) + m draft rows for m = 0..num_extra without a drafter pass, what drafting anything
+        costs besides its rows and later passes (the drafter's first pass, run when some request
+        drafts, and verifying drafts at all) and the cost of each pass after the first; every
+        predicted time > 0 and non-decreasing in m. From fits at most `refit_every` steps old.
 
         A local fit is a tangent: drafts can take a batch far from its base (16 requests drafting 3
         each verify 64 rows), where a row costs what it costs there (on SmolLM2 ~0.5 ms at 4-16 rows,
@@ -274,6 +338,11 @@ class StepCostModel:
         fits at anchors base, 2 base + 16, ... (each one fit's cut apart), linear between them; an
         anchor where nothing was measured extends the previous one along the prior shape (time ~
         rows + PRIOR_FIXED_ROWS) instead of along a tangent taken elsewhere."""
+        self._expire()
+        key = (base_rows, num_extra, base_logit_rows)
+        cached = self._curves.get(key)
+        if cached is not None:
+            return cached
         logit_base = base_rows if base_logit_rows is None else base_logit_rows
         top = base_rows + num_extra
         anchors = [float(base_rows)]
@@ -290,8 +359,24 @@ class StepCostModel:
             logits = logit_base + (a - base_rows)  # draft rows compute logits
             # a fit extrapolated below zero stays positive
             times.append(max(f.fixed + f.per_row * (a - logits) + f.per_logit_row * logits, 1e-6))
-        curve = np.maximum.accumulate(np.interp(base_rows + np.arange(num_extra + 1), anchors, times))
-        return curve.tolist(), base.first_cost, base.pass_cost
+        # Linear between anchors, kept non-decreasing; plain Python (a few hundred points at most:
+        # cheaper than numpy between forward passes).
+        curve: list[float] = []
+        seg, running = 0, 0.0
+        for m in range(num_extra + 1):
+            r = base_rows + m
+            while seg + 2 < len(anchors) and r > anchors[seg + 1]:
+                seg += 1
+            if len(anchors) == 1:
+                t = times[0]
+            else:
+                a0, a1 = anchors[seg], anchors[seg + 1]
+                t = times[seg] + (times[seg + 1] - times[seg]) * (r - a0) / (a1 - a0)
+            running = max(running, t)
+            curve.append(running)
+        result = (curve, base.first_cost + base.verify_cost, base.pass_cost)
+        self._curves[key] = result
+        return result
 
 
 class AdaptiveDrafting:
@@ -315,16 +400,22 @@ class AdaptiveDrafting:
             return list(caps)
         caps = [min(c, self.k) for c in caps]
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
-        if not self.drafter_passes:
-            first_cost = pass_cost = 0.0
-        if len(req_ids) * self.k <= SMALL_PROBLEM:  # low concurrency: short steps, no numpy
+        if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
+            pass_cost = 0.0
+        if len(req_ids) * self.k <= SMALL_PROBLEM:  # plain Python: cheaper between forward passes
             base = self.acceptance.engine_rates()
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
             lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost)
         else:
-            lengths = choose_draft_lengths(self.acceptance.rates(req_ids), np.asarray(caps, dtype=np.int64),
+            rates_array = self.acceptance.rates(req_ids)
+            lengths = choose_draft_lengths(rates_array, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
+            rates = rates_array.tolist()
         self._decisions += 1
+        if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
+            deep = step_rate(rates, caps, step_cost, pass_cost, first_cost)
+            if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
+                return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
             explore(lengths, caps)
         return lengths
@@ -333,8 +424,9 @@ class AdaptiveDrafting:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
 
     def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                     num_logit_rows: int | None = None) -> None:
-        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows)
+                     num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None) -> None:
+        self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows, num_draft_rows,
+                           drafter_rows)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

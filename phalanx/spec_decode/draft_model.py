@@ -79,6 +79,7 @@ class DraftModelProposer:
         self._computed: dict[str, int] = {}
         self._behind: set[str] = set()  # requests whose catch-up waits (their `_computed` is short)
         self.passes_run = 0
+        self.rows_fed = 0
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         return [(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
@@ -107,6 +108,7 @@ class DraftModelProposer:
 
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         self.passes_run = 0
+        self.rows_fed = 0
         k = self.num_speculative_tokens
         may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
@@ -134,6 +136,7 @@ class DraftModelProposer:
         drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
+        self.rows_fed = sum(len(f.token_ids) for f in feeds)
         if passes == 0:
             return drafts
         chains = self._chains(batch)

@@ -66,6 +66,7 @@ class EagleProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
         self.passes_run = 0
+        self.rows_fed = 0
         self._waiting: dict[str, Waiting] = {}
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
@@ -103,6 +104,7 @@ class EagleProposer:
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         assert batch.target_hidden is not None
         self.passes_run = 0
+        self.rows_fed = 0
         k = self.num_speculative_tokens
         may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
@@ -135,6 +137,7 @@ class EagleProposer:
         drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
+        self.rows_fed = sum(len(f.token_ids) for f in feeds)
         if passes == 0:
             return drafts
         raw = self._raw(batch, fed_rows)

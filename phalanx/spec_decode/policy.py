@@ -48,6 +48,25 @@ def expected_tokens(
     return float(accept.shape[0] + gains[used].sum())
 
 
+def step_rate(
+    accept: list[list[float]],  # [R][k] conditional acceptance rate per draft position
+    lengths: list[int],  # [R] draft lengths
+    step_cost: list[float],  # [sum of lengths + 1 at least]
+    pass_cost: float,
+    first_cost: float = 0.0,
+) -> float:
+    """The objective of a choice: expected tokens per second of a step that drafts `lengths`."""
+    tokens = float(len(lengths))
+    for row, n in zip(accept, lengths):
+        g = 1.0
+        for j in range(n):
+            g *= min(max(row[j], 0.0), 1.0)
+            tokens += g
+    depth = max(lengths, default=0)
+    time = step_cost[sum(lengths)] + (first_cost + pass_cost * (depth - 1) if depth else 0.0)
+    return tokens / time
+
+
 def choose_draft_lengths(
     accept: np.ndarray,  # [R, k] float in [0, 1]: P(draft j accepted | drafts 1..j-1 accepted)
     caps: np.ndarray,  # [R] int in [0, k]: the most drafts each request may get

@@ -73,8 +73,10 @@ class Proposer(Protocol):
     # Target layers whose entering residual stream the proposer consumes (EAGLE-3).
     aux_layer_ids: tuple[int, ...]
     needs_target_hidden: bool
-    # Drafter forwards the last `propose` ran (0: none).
+    # Drafter forwards the last `propose` ran (0: none), and the positions its first pass fed
+    # (this step's and any caught up on).
     passes_run: int
+    rows_fed: int
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each drafter layer that needs a paged KV cache."""

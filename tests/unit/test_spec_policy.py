@@ -138,8 +138,22 @@ def test_acceptance_rates_are_conditional_per_position() -> None:
     assert rates[0] == pytest.approx(1.0) and rates[1] == pytest.approx(0.0, abs=1e-6)
     assert rates[2] == pytest.approx(0.5)  # never tested: the engine-wide prior
     stats.observe("b", 2, 2)  # both accepted; no third draft, so position 3 is not tested
-    decayed = sum(0.995**i for i in range(1, 6))  # "a"'s five tests, decayed once per later observation
+    decayed = sum(0.995**i for i in range(1, 6))  # "a"'s five tests, decayed once per later test
     assert stats.engine_tested == pytest.approx([decayed + 1, decayed + 1, 0.0])
+
+
+def test_a_rarely_tested_position_keeps_what_its_tests_said() -> None:
+    """Third drafts were tried 10 times and always accepted; then the policy drafts one token for a
+    long spell (2,000 verifications of position 1 only). Position 3's rate is still what its own
+    tests said, not faded to the prior by the first position's verifications (which would keep a
+    policy that drafts little from ever drafting deep again)."""
+    stats = AcceptanceStats(3, prior=0.6)
+    for i in range(10):
+        stats.observe(f"deep{i}", 3, 3)
+    for i in range(2000):
+        stats.observe(f"short{i % 16}", 1, 1)
+    assert stats.engine_rates()[2] == pytest.approx((10 + 4 * 0.6) / (10 + 4), rel=0.01)
+    assert stats.engine_rates()[0] > 0.99
 
 
 def test_a_new_request_starts_from_the_engine_wide_rate_and_follows_its_own() -> None:
@@ -224,6 +238,43 @@ def test_a_draft_row_is_priced_as_a_row_that_computes_logits() -> None:
     step_cost, _, _ = costs.step_cost(32, 2, base_logit_rows=32)
     assert step_cost[1] - step_cost[0] == pytest.approx(0.0009, rel=0.1)
     assert step_cost[0] == pytest.approx(0.010 + 0.0009 * 32, rel=0.05)
+
+
+def test_verifying_drafts_at_all_is_priced_apart_from_the_rows() -> None:
+    """A step that verifies drafts costs 1 ms more than one that does not, whatever their number
+    (the rejection sampler, the runner's and the scheduler's per-draft work), and a row 0.05 ms: on
+    a small model the fixed part is twenty rows' worth. Drafting is rare (every 16th step one
+    request drafts one token), so without its own term the 1 ms would be charged to that one extra
+    row. The fit prices the row at its 0.05 ms and the 1 ms as what drafting anything costs."""
+    rng = np.random.default_rng(7)
+    costs = StepCostModel()
+    for step in range(512):
+        drafts = int(step % EXPLORE_EVERY == 0)
+        decode = 14 + int(rng.integers(0, 3))  # requests come and go
+        seconds = 0.002 + 0.00005 * (decode + drafts) + 0.001 * drafts + rng.normal(0, 0.0001)
+        costs.observe(decode + drafts, seconds, 0.0, 0, num_logit_rows=decode + drafts, num_draft_rows=drafts)
+    fit = costs.fit(16)
+    assert fit.verify_cost == pytest.approx(0.001, rel=0.15)
+    assert fit.per_logit_row == pytest.approx(0.00005, abs=0.00003)
+    step_cost, first_cost, _ = costs.step_cost(16, 16)
+    assert first_cost == pytest.approx(0.001, rel=0.15)  # drafting anything: no drafter here, the verification
+    assert step_cost[16] - step_cost[0] == pytest.approx(16 * 0.00005, abs=0.0004)
+
+
+def test_batch_sizes_a_request_apart_share_one_fit() -> None:
+    """A fit is taken at the grid point nearest the batch size asked about: 15, 16 and 17 rows
+    (requests coming and going) share one, instead of each refitting every step."""
+    costs = StepCostModel()
+    for rows in [14, 15, 16, 17, 18] * 20:
+        costs.observe(rows, 0.002 + 0.0001 * rows, 0.0, 0)
+    fitted: list[float] = []
+    fit = costs.fit
+    costs.fit = lambda rows: fitted.append(rows) or fit(rows)  # type: ignore[method-assign]
+    for base in (15, 16, 17, 16, 15):
+        costs.step_cost(base, 0)
+    assert len(fitted) == 1
+    curve, _, _ = costs.step_cost(15, 2)
+    assert curve == pytest.approx([0.0035, 0.0036, 0.0037], rel=0.02)  # evaluated at 15, not at the grid point
 
 
 def test_drafts_that_take_the_batch_far_are_priced_where_they_land() -> None:

@@ -1,8 +1,8 @@
 """The adaptive draft-length policy: a pure function from acceptance estimates and step costs to
 each request's draft length for the next step.
 
-Owns: `choose_draft_lengths` (the decision), `choose_draft_lengths_small` (the same for a few
-requests, in plain Python) and `expected_tokens` (the objective's numerator).
+Owns: `choose_draft_lengths` (the decision), `choose_draft_lengths_small` (the same in plain
+Python), `expected_tokens` (the objective's numerator) and `step_rate` (the objective).
 Does not own: measuring anything (``spec_decode.adaptive`` keeps the running acceptance counts and
 the step-cost curve), applying caps from the request or the batch (``core.scheduler``), or how
 ranks in lockstep agree on the drafter passes (the vote: ``distributed.vote``).
@@ -20,8 +20,9 @@ plus one token). It costs
 
 where step_cost[m] is the predicted time of the step with m draft rows added to the batch (the
 target's verification of the extra rows, measured at the current batch size; non-decreasing in m),
-first_cost is the drafter's first pass (a model drafter runs it only when some request drafts: the
-others' catch-up waits) and pass_cost one more drafter pass (n-gram lookup runs no passes: both 0).
+first_cost what drafting anything costs besides its rows (a model drafter's first pass, run only
+when some request drafts: the others' catch-up waits; and verifying drafts at all) and pass_cost
+one more drafter pass (n-gram lookup runs no passes: 0).
 The policy maximises tokens per unit of time, tokens(d) / time(d).
 
 Why the search is exact and small. For a fixed largest depth D and a fixed number of draft rows m
@@ -72,7 +73,7 @@ def choose_draft_lengths(
     caps: np.ndarray,  # [R] int in [0, k]: the most drafts each request may get
     step_cost: np.ndarray,  # [M + 1], M = caps.sum(): step time with m draft rows, non-decreasing, > 0
     pass_cost: float,  # time of one drafter pass after the first (0: no passes)
-    first_cost: float = 0.0,  # time of the drafter's first pass, run when anything is drafted
+    first_cost: float = 0.0,  # what drafting anything costs besides its rows (first pass, verification)
 ) -> np.ndarray:  # [R] int64, 0 <= lengths <= caps
     """The draft lengths that maximise expected tokens per unit of step time (module docstring).
     Pure: reads its arguments only, changes none of them. Among equally good choices it takes the
@@ -114,9 +115,9 @@ def choose_draft_lengths_small(
     pass_cost: float,
     first_cost: float = 0.0,
 ) -> list[int]:
-    """`choose_draft_lengths` for a few requests, the same choice computed the same way (the same
-    order, the same sums, the same ties) in plain Python: at low concurrency a step can take a
-    millisecond or two, and twenty numpy calls would be a visible share of it."""
+    """`choose_draft_lengths` in plain Python, the same choice computed the same way (the same
+    order, the same sums, the same ties): between forward passes, where the scheduler runs with cold
+    caches, twenty numpy calls cost more than this loop up to ~190 candidate positions."""
     num_reqs = len(accept)
     k = len(accept[0]) if accept else 0
     gains: list[float] = []  # allowed positions, request by request, positions ascending

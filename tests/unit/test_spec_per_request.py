@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 
 from phalanx import LLM, SamplingParams
 from phalanx.engine.metrics import ServingMetrics
+from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.spec_decode.adaptive import EXPLORE_EVERY
 from phalanx.spec_decode.config import SpeculativeConfig
 from tests.fake_engine import fake_app
@@ -215,6 +217,33 @@ def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dic
     assert all(base == num_reqs for base, num_reqs, _ in steps)
     # some steps decode one request and prefill another's prompt: many more rows than requests
     assert any(num_reqs == 2 and rows > 2 * (1 + K) for _, num_reqs, rows in steps)
+
+
+def test_a_step_is_timed_to_the_next_steps_start(models: dict[str, Path]) -> None:
+    """What the loop does between steps (a server sends outputs and takes requests in) is paid once
+    per step: while requests are in flight the policy is given each step's time from its start to
+    the next step's start; the step before an idle spell counts its own time only."""
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True))
+    engine = llm.engine
+    assert engine.adaptive is not None
+    observe, seen = engine.adaptive.observe_step, []
+
+    def spy(**step: Any) -> None:
+        seen.append(step["seconds"])
+        observe(**step)
+
+    engine.adaptive.observe_step = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("a", [5, 6, 7, 8], params, time.monotonic()))
+    while engine.has_unfinished_requests():
+        engine.step()
+        time.sleep(0.05)  # the loop's work between steps
+    went_on = len(seen)
+    assert went_on >= 2 and all(s >= 0.05 for s in seen)
+    time.sleep(0.2)  # idle: nothing in flight
+    engine.add_request(EngineCoreRequest("b", [5, 6, 7, 9], params, time.monotonic()))
+    engine.step()
+    assert len(seen) == went_on + 1 and seen[-1] < 0.05  # the last step of "a": its own time
 
 
 def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> None:

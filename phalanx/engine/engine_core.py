@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from phalanx.config import EngineConfig
+from phalanx.config import EngineConfig, ModelConfig
 from phalanx.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from phalanx.core.scheduler import Scheduler
 from phalanx.distributed.group import DPGroup
@@ -19,6 +19,12 @@ from phalanx.engine.protocol import EngineCoreRequest, validate_prompt_tokens, v
 from phalanx.request import Request
 from phalanx.spec_decode.adaptive import AdaptiveDrafting
 from phalanx.worker.model_runner import ModelRunner
+
+
+def logit_share(model: ModelConfig) -> float:
+    """The lm_head's share of a row's compute, relative to the rest of the model (per token)."""
+    head = model.vocab_size * model.hidden_size
+    return head / max(model.active_parameters() - head, 1)
 
 
 class EngineCore:
@@ -33,7 +39,8 @@ class EngineCore:
         # The adaptive draft-length policy learns from this engine's own step times (in lockstep:
         # of the padded steps it runs with the others) and its requests' acceptance.
         self.adaptive = (
-            AdaptiveDrafting(spec.num_speculative_tokens, drafter_passes=self.runner.num_lookahead_slots > 0)
+            AdaptiveDrafting(spec.num_speculative_tokens, drafter_passes=self.runner.num_lookahead_slots > 0,
+                             logit_share=logit_share(cfg.model))
             if spec is not None and spec.adaptive
             else None
         )

@@ -157,8 +157,13 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
-                 row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 32) -> None:
+                 row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 32,
+                 logit_share: float = 0.0) -> None:
         self.window, self.bandwidth = window, bandwidth
+        # What a row that computes logits costs on top of one that does not, as a share of the
+        # latter, where nothing measured says otherwise: the lm_head's weights against the rest
+        # (ModelConfig: vocab x hidden against the other active parameters; ~0.26 on SmolLM2).
+        self.logit_share = logit_share
         # A fit (~60 numpy operations: ~0.15 ms with warm caches, ~0.45 ms between forward passes,
         # where the scheduler runs) is reused for this many steps; it moves little in 32 of a
         # 128-step half-life.
@@ -266,13 +271,16 @@ class StepCostModel:
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
             ridge = share * np.array([self.row_ridge, self.pass_ridge, self.pass_ridge])
             # The target's part against its rows, what a row that computes logits costs on top
-            # (the lm_head and sampling; prior 0: where only prompt rows vary, as near a batch size
-            # reached only by prompt chunks, a draft row costs what a prompt row does) and whether
-            # it verifies drafts (the rejection sampler, the runner's and scheduler's per-draft
-            # work: a fixed cost that one draft row would otherwise carry alone; prior 0).
+            # (the lm_head and sampling; shrunk towards `logit_share` of a row's slope, so where
+            # only prompt rows vary, as at high load or near a batch size reached only by prompt
+            # chunks, a draft row is priced from theirs) and whether it verifies drafts (the
+            # rejection sampler, the runner's and scheduler's per-draft work: a fixed cost that one
+            # draft row would otherwise carry alone; prior 0).
             dr = np.stack([dx, dl, dv])  # [3, window]
-            gram = (dr * wd) @ dr.T + np.diag(ridge[[0, 0, 1]])
-            rhs = (dr * wd) @ dt + ridge[[0, 0, 1]] * np.array([row_prior, 0.0, 0.0])
+            s_ = self.logit_share
+            tie = np.array([[s_ * s_, -s_, 0.0], [-s_, 1.0, 0.0], [0.0, 0.0, 0.0]])  # (extra - share * row)^2
+            gram = (dr * wd) @ dr.T + np.diag([ridge[0], 0.0, ridge[1]]) + ridge[0] * tie
+            rhs = (dr * wd) @ dt + np.array([ridge[0] * row_prior, 0.0, 0.0])
             target_row, logit_extra, verify_cost = np.linalg.solve(gram, rhs).tolist()
             # Each clipped as a whole (where every row computes logits the two row terms split one
             # slope between them, either part possibly below zero).
@@ -286,7 +294,8 @@ class StepCostModel:
             rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
             drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
         else:
-            target_row = logit_row = row_prior
+            logit_row = row_prior
+            target_row = row_prior / (1.0 + self.logit_share)
             drafter_row = drafter_row_prior
             first_cost = pass_cost = pass_prior
             verify_cost = 0.0
@@ -384,11 +393,11 @@ class AdaptiveDrafting:
     lengths out. `drafter_passes`: the drafter runs a pass per draft position (model drafters),
     so the deepest request's length costs passes; n-gram lookup does not."""
 
-    def __init__(self, k: int, drafter_passes: bool) -> None:
+    def __init__(self, k: int, drafter_passes: bool, logit_share: float = 0.0) -> None:
         self.k = k
         self.drafter_passes = drafter_passes
         self.acceptance = AcceptanceStats(k)
-        self.costs = StepCostModel()
+        self.costs = StepCostModel(logit_share=logit_share)
         self._decisions = 0
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:

@@ -285,6 +285,22 @@ def test_a_catch_up_is_charged_to_the_rows_it_fed_not_to_the_passes() -> None:
     assert against_rows.fit(16).pass_cost > 2 * 0.0003
 
 
+def test_where_only_prompt_rows_vary_a_draft_row_costs_a_row_and_its_lm_head() -> None:
+    """32 requests decode in every step (their count never changes) while prompt chunks come and
+    go: the steps say what a prompt row costs (0.6 ms) and nothing about the lm_head's extra. A
+    draft row is priced at a prompt row plus the lm_head's share of it (here 0.25: 0.75 ms), not at
+    a prompt row alone, which would make drafts look cheaper than they are at high load."""
+    rng = np.random.default_rng(9)
+    costs = StepCostModel(logit_share=0.25)
+    for step in range(512):
+        prompt = int(rng.integers(16, 64)) if step % 3 == 0 else 0
+        seconds = 0.010 + 0.0006 * prompt + 0.00075 * 32 + rng.normal(0, 0.0002)
+        costs.observe(32 + prompt, seconds, 0.0, 0, num_logit_rows=32)
+    fit = costs.fit(40)
+    assert fit.per_row == pytest.approx(0.0006, rel=0.1)
+    assert fit.per_logit_row == pytest.approx(0.00075, rel=0.1)
+
+
 def test_batch_sizes_a_request_apart_share_one_fit() -> None:
     """A fit is taken at the grid point nearest the batch size asked about: 15, 16 and 17 rows
     (requests coming and going) share one, instead of each refitting every step."""

@@ -14,6 +14,7 @@ Numpy only, no torch: the scheduler imports it.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -125,11 +126,11 @@ class StepCostModel:
     """Step time against the rows of the step's target forward and its drafter passes, fitted where
     the policy asks.
 
-    Every step leaves (rows, passes, seconds, drafter seconds) in a window of the last `window`
-    steps. `fit(base)` fits
+    Every step leaves (rows, logit rows, whether it verified drafts, passes, rows the first pass
+    fed, seconds, drafter seconds) in a window of the last `window` steps. `fit(base)` fits
 
-        seconds = fixed + per_row * (rows - logit_rows) + per_logit_row * logit_rows
-                  + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
+        seconds = fixed + row * rows + logit_extra * logit_rows + verify_cost * [drafts verified]
+                  + drafter_row * rows_fed + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
 
     over that window by weighted least squares, each step weighted by its recency (half-life
     `half_life` steps) and by how close its rows are to `base` (a Gaussian in log(rows +
@@ -137,18 +138,22 @@ class StepCostModel:
     at the batch size the drafts will be verified in. The slopes come from the differences between
     consecutive steps, which share the machine's state: a slow spell is not charged to whatever the
     policy chose during it. The step splits in two parts, each fitted on its own timer: the target's
-    part (step minus drafter) against the rows that compute logits and those that do not (a draft
-    row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on a small
-    model, and most of the rows' variation at high load is prompts'), and the drafter's part
-    against rows, whether it ran and its later passes together (deep drafts happen at low load and
-    shallow ones at high load, so pricing passes without the rows would charge one for the other).
-    The drafter runs no pass in a step where no request drafts (its catch-up waits:
-    ``spec_decode.proposer``), so the first pass is priced apart: drafting at all costs it. A pass is ~2 % of a step, below the step's jitter but
-    not below the drafter's. Each slope is shrunk towards a prior that stands when its covariate
-    does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows + PRIOR_FIXED_ROWS
-    through the local means (a fixed part worth that many rows: weights streamed once per step),
-    the first pass's and the later passes' towards the average drafter time per pass. None is ever
-    negative, so predicted time never falls as drafts are added.
+    part (step minus drafter) against its rows, what a row that computes logits costs on top (a
+    draft row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on
+    a small model, and most of the rows' variation at high load is prompts') and whether it
+    verified drafts (a fixed cost: the rejection sampler, the per-draft bookkeeping); the drafter's
+    part against the positions its first pass fed, whether it ran and its later passes together
+    (deep drafts happen at low load and shallow ones at high load, so pricing passes without the
+    rows would charge one for the other). The drafter runs no pass in a step where no request
+    drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass is priced apart:
+    drafting at all costs it, and verifying them. A pass is ~2 % of a step, below the step's jitter
+    but not below the drafter's. Each slope is shrunk towards a prior that stands when its
+    covariate does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows +
+    PRIOR_FIXED_ROWS through the local means (a fixed part worth that many rows: weights streamed
+    once per step), the logit rows' extra towards `logit_share` of the rows', the verification
+    towards 0, the first pass's and the later passes' towards the average drafter time per pass.
+    No cost is ever negative, so predicted time never falls as drafts are added. `StepFit` prices a
+    row as if the drafter fed it (it does when every request drafts).
 
     Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
     step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
@@ -157,8 +162,8 @@ class StepCostModel:
     """
 
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
-                 row_ridge: float = 16.0, pass_ridge: float = 1.0, refit_every: int = 32,
-                 logit_share: float = 0.0) -> None:
+                 row_ridge: float = 16.0, pass_ridge: float = 1.0, verify_ridge: float = 8.0,
+                 refit_every: int = 32, logit_share: float = 0.0) -> None:
         self.window, self.bandwidth = window, bandwidth
         # What a row that computes logits costs on top of one that does not, as a share of the
         # latter, where nothing measured says otherwise: the lm_head's weights against the rest
@@ -174,7 +179,11 @@ class StepCostModel:
         self._grid_step = bandwidth / 2
         self._near: dict[int, bool] = {}  # grid point -> some step measured within its cut (as long as the fits)
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
-        self.row_ridge, self.pass_ridge = row_ridge, pass_ridge
+        # The verification's prior (0) weighs more than a pass's: whether a step verifies drafts
+        # changes only where the policy switches drafting on or off, a few steps in the window at
+        # low load, and a cost read from a few jittery steps (clipped at 0: biased up) made the
+        # policy stop drafting at concurrency 1 now and then, where drafting pays 1.6x.
+        self.row_ridge, self.pass_ridge, self.verify_ridge = row_ridge, pass_ridge, verify_ridge
         self._decay = 0.5 ** (1.0 / half_life)
         self._rows = np.zeros(window)
         self._logit_rows = np.zeros(window)
@@ -277,14 +286,15 @@ class StepCostModel:
             # rejection sampler, the runner's and scheduler's per-draft work: a fixed cost that one
             # draft row would otherwise carry alone; prior 0).
             dr = np.stack([dx, dl, dv])  # [3, window]
-            s_ = self.logit_share
-            tie = np.array([[s_ * s_, -s_, 0.0], [-s_, 1.0, 0.0], [0.0, 0.0, 0.0]])  # (extra - share * row)^2
-            gram = (dr * wd) @ dr.T + np.diag([ridge[0], 0.0, ridge[1]]) + ridge[0] * tie
+            ls = self.logit_share
+            tie = np.array([[ls * ls, -ls, 0.0], [-ls, 1.0, 0.0], [0.0, 0.0, 0.0]])  # (extra - ls * row)^2
+            gram = (dr * wd) @ dr.T + np.diag([ridge[0], 0.0, share * self.verify_ridge]) + ridge[0] * tie
             rhs = (dr * wd) @ dt + np.array([ridge[0] * row_prior, 0.0, 0.0])
             target_row, logit_extra, verify_cost = np.linalg.solve(gram, rhs).tolist()
             # Each clipped as a whole (where every row computes logits the two row terms split one
             # slope between them, either part possibly below zero).
-            target_row, logit_row, verify_cost = max(target_row, 0.0), max(target_row + logit_extra, 0.0), max(verify_cost, 0.0)
+            logit_row = max(target_row + logit_extra, 0.0)
+            target_row, verify_cost = max(target_row, 0.0), max(verify_cost, 0.0)
             # The drafter's part against the rows its first pass fed (a catch-up's included: charged
             # to the later passes it would make a spell of no drafting look dear), whether it ran,
             # and its later passes, from its own timer: a pass is ~2 % of a step, far below the
@@ -328,10 +338,10 @@ class StepCostModel:
         nearest one standing for `rows` (a fit weighs steps up to two bandwidths away: it moves little
         over a quarter of one): batch sizes that differ by a request or a prompt chunk share one fit
         instead of each taking its own."""
-        return max(round(np.log((rows + PRIOR_FIXED_ROWS) / PRIOR_FIXED_ROWS) / self._grid_step), 0)
+        return max(round(math.log((rows + PRIOR_FIXED_ROWS) / PRIOR_FIXED_ROWS) / self._grid_step), 0)
 
     def _grid_rows(self, j: int) -> float:
-        return PRIOR_FIXED_ROWS * float(np.exp(j * self._grid_step)) - PRIOR_FIXED_ROWS
+        return PRIOR_FIXED_ROWS * math.exp(j * self._grid_step) - PRIOR_FIXED_ROWS
 
     def step_cost(self, base_rows: float, num_extra: int, base_logit_rows: float | None = None
                   ) -> tuple[list[float], float, float]:

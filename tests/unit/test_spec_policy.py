@@ -255,7 +255,7 @@ def test_verifying_drafts_at_all_is_priced_apart_from_the_rows() -> None:
         seconds = 0.002 + 0.00005 * (decode + drafts) + 0.001 * drafts + rng.normal(0, 0.0001)
         costs.observe(decode + drafts, seconds, 0.0, 0, num_logit_rows=decode + drafts, num_draft_rows=drafts)
     fit = costs.fit(16)
-    assert fit.verify_cost == pytest.approx(0.001, rel=0.25)  # a little below: shrunk towards its prior, 0
+    assert fit.verify_cost == pytest.approx(0.001, rel=0.15)
     assert fit.per_logit_row == pytest.approx(0.00005, abs=0.00003)
     step_cost, first_cost, _ = costs.step_cost(16, 16)
     assert first_cost == fit.verify_cost  # drafting anything: no drafter here, the verification
@@ -299,20 +299,6 @@ def test_where_only_prompt_rows_vary_a_draft_row_costs_a_row_and_its_lm_head() -
     fit = costs.fit(40)
     assert fit.per_row == pytest.approx(0.0006, rel=0.1)
     assert fit.per_logit_row == pytest.approx(0.00075, rel=0.1)
-
-
-def test_a_verification_cost_read_from_a_few_jittery_steps_stays_small() -> None:
-    """Concurrency 1, drafting every step but five (the policy tried 0 now and then): whether a step
-    verifies drafts varies in five steps only, with 1.5 ms of jitter on a 12 ms step, and verifying
-    costs nothing extra. The estimate stays near its prior (0) instead of reading the jitter of
-    five steps as a cost that would stop drafting where it pays."""
-    rng = np.random.default_rng(2)
-    costs = StepCostModel()
-    for step in range(512):
-        off = step % 100 == 50
-        rows = 1 if off else 4
-        costs.observe(rows, 0.010 + 0.0005 * rows + rng.normal(0, 0.0015), 0.0, 0, num_draft_rows=0 if off else 3)
-    assert costs.fit(1).verify_cost < 0.00015  # a prior worth one pair of steps: 0.4 ms here
 
 
 def test_batch_sizes_a_request_apart_share_one_fit() -> None:

@@ -429,9 +429,10 @@ class AdaptiveDrafting:
             rates_array = self.acceptance.rates(req_ids)
             lengths = choose_draft_lengths(rates_array, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
-            rates = rates_array.tolist()
         self._decisions += 1
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
+            if len(req_ids) * self.k > SMALL_PROBLEM:
+                rates = rates_array.tolist()
             deep = step_rate(rates, caps, step_cost, pass_cost, first_cost)
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
                 return list(caps)

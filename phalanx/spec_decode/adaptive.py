@@ -426,13 +426,11 @@ class AdaptiveDrafting:
             rates = [self.acceptance.rates_of(r, base) for r in req_ids]
             lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost)
         else:
-            rates_array = self.acceptance.rates(req_ids)
-            lengths = choose_draft_lengths(rates_array, np.asarray(caps, dtype=np.int64),
+            rates = self.acceptance.rates(req_ids)
+            lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
         self._decisions += 1
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
-            if len(req_ids) * self.k > SMALL_PROBLEM:
-                rates = rates_array.tolist()
             deep = step_rate(rates, caps, step_cost, pass_cost, first_cost)
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
                 return list(caps)

@@ -50,19 +50,15 @@ def expected_tokens(
 
 
 def step_rate(
-    accept: list[list[float]],  # [R][k] conditional acceptance rate per draft position
+    accept: np.ndarray | list[list[float]],  # [R, k] conditional acceptance rate per draft position
     lengths: list[int],  # [R] draft lengths
     step_cost: list[float],  # [sum of lengths + 1 at least]
     pass_cost: float,
     first_cost: float = 0.0,
 ) -> float:
     """The objective of a choice: expected tokens per second of a step that drafts `lengths`."""
-    tokens = float(len(lengths))
-    for row, n in zip(accept, lengths):
-        g = 1.0
-        for j in range(n):
-            g *= min(max(row[j], 0.0), 1.0)
-            tokens += g
+    rates = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0).reshape(len(lengths), -1)
+    tokens = expected_tokens(rates, np.asarray(lengths))
     depth = max(lengths, default=0)
     time = step_cost[sum(lengths)] + (first_cost + pass_cost * (depth - 1) if depth else 0.0)
     return tokens / time

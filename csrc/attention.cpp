@@ -17,10 +17,10 @@ namespace {
 // scores 16 keys at a time (AVX512-BF16 dots, one reduce16 per 16 keys), softmax per row, then the
 // weighted sum of values with each tile of RT query rows' accumulators held in registers while
 // the keys stream past. Every sum runs in a fixed order that depends only on the row's own keys.
-template <int NV>
+template <int NV, typename O>
 void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* const* krow,
                       const c10::BFloat16* const* vrow, const int64_t* limit, int64_t rows, int64_t len,
-                      float scale, float* scores, c10::BFloat16* const* orow) {
+                      float scale, float* scores, O* const* orow) {
   constexpr int ND = NV / 2;  // 32-element bf16 pair chunks per head
   constexpr int RT = NV <= 4 ? 4 : 2;  // query rows per register tile in the value pass
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -66,10 +66,119 @@ void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* con
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// decode_task_bf16 for CPUs without AVX512-BF16 (AVX2 + FMA), written to the same arithmetic step
+// for step: each key's 16 lanes (lane i: the pairs (2i, 2i + 1) of every 32-element chunk, the odd
+// element then the even one, as VDPBF16PS takes them, under denormals-are-zero / flush-to-zero)
+// held as two 8-lane halves, the same transpose-and-add tree over a key's 16 lanes (reduce16), the
+// same softmax_row, and the same FMA per key in the value pass.
+constexpr unsigned kDazFtz = 0x8040;  // MXCSR: denormals are zero (bit 6), flush to zero (bit 15)
+constexpr int64_t kKeyChunk = 256;    // keys whose 16 lane sums are computed under DAZ / FTZ at a time
+
+// Lane j of 16 key vectors (lanes[j][0..15]) -> their sums, reduce16's tree: per 128-bit quarter
+// L, S_L = (x[4L] + x[4L+2]) + (x[4L+1] + x[4L+3]); the sum = (S_0 + S_1) + (S_2 + S_3).
+inline void reduce16_avx2(const float (*lanes)[16], float scale, float* out) {
+  for (int g = 0; g < 4; ++g) {  // keys 4g .. 4g + 3
+    __m256 s2[2];
+    for (int h = 0; h < 2; ++h) {  // lanes 8h .. 8h + 7: quarters 2h, 2h + 1
+      const __m256 v0 = _mm256_load_ps(lanes[4 * g] + 8 * h), v1 = _mm256_load_ps(lanes[4 * g + 1] + 8 * h);
+      const __m256 v2 = _mm256_load_ps(lanes[4 * g + 2] + 8 * h), v3 = _mm256_load_ps(lanes[4 * g + 3] + 8 * h);
+      const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(v0, v1), _mm256_unpackhi_ps(v0, v1));
+      const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(v2, v3), _mm256_unpackhi_ps(v2, v3));
+      const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b);
+      s2[h] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ad, bd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ad, bd)));
+    }
+    const __m128 q01 = _mm_add_ps(_mm256_castps256_ps128(s2[0]), _mm256_extractf128_ps(s2[0], 1));
+    const __m128 q23 = _mm_add_ps(_mm256_castps256_ps128(s2[1]), _mm256_extractf128_ps(s2[1], 1));
+    _mm_storeu_ps(out + 4 * g, _mm_mul_ps(_mm_add_ps(q01, q23), _mm_set1_ps(scale)));
+  }
+}
+
+template <int NV, typename O>
+void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* const* krow,
+                      const c10::BFloat16* const* vrow, const int64_t* limit, int64_t rows, int64_t len,
+                      float scale, float* scores, O* const* orow) {
+  constexpr int ND = NV / 2;  // 32-element chunks per head
+  constexpr int RT = 2;       // query rows per register tile in the value pass
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const unsigned csr = _mm_getcsr();
+  alignas(32) float lanes[kKeyChunk][16];
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 qo[ND][2], qe[ND][2];  // the row's odd / even elements, as float32 in the pair lanes
+    for (int c = 0; c < ND; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[r] + 32 * c + 16 * h));
+        qo[c][h] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        qe[c][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      }
+    float* srow = scores + r * len;
+    for (int64_t c0 = 0; c0 < limit[r]; c0 += kKeyChunk) {
+      const int64_t cn = std::min<int64_t>(kKeyChunk, limit[r] - c0), padded = (cn + 15) / 16 * 16;
+      _mm_setcsr(csr | kDazFtz);
+      for (int64_t j = 0; j < padded; ++j) {
+        const c10::BFloat16* k = krow[c0 + std::min<int64_t>(j, cn - 1)];  // past cn: a repeat, unused
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int c = 0; c < ND; ++c) {
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c + 16));
+          a0 = _mm256_fmadd_ps(qo[c][0], _mm256_castsi256_ps(_mm256_and_si256(w0, high)), a0);
+          a1 = _mm256_fmadd_ps(qo[c][1], _mm256_castsi256_ps(_mm256_and_si256(w1, high)), a1);
+          a0 = _mm256_fmadd_ps(qe[c][0], _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), a0);
+          a1 = _mm256_fmadd_ps(qe[c][1], _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), a1);
+        }
+        _mm256_store_ps(lanes[j], a0);
+        _mm256_store_ps(lanes[j] + 8, a1);
+      }
+      _mm_setcsr(csr);
+      for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+        alignas(16) float sums[16];
+        reduce16_avx2(lanes + j0, scale, sums);
+        std::memcpy(srow + c0 + j0, sums, std::min<int64_t>(16, cn - j0) * sizeof(float));
+      }
+    }
+    softmax_row(srow, limit[r]);
+  }
+  // out[r] = sum_l p[r, l] * v_l, one FMA per key in key order for every element; 32 elements (four
+  // 8-lane accumulators) of RT rows at a time
+  for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+    const int64_t nr = std::min<int64_t>(RT, rows - r0);
+    int64_t tile_len = 0;
+    for (int64_t i = 0; i < nr; ++i) tile_len = std::max(tile_len, limit[r0 + i]);
+    for (int s = 0; s < ND; ++s) {
+      __m256 acc[RT][4];
+      for (int i = 0; i < RT; ++i)
+        for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+      for (int64_t l = 0; l < tile_len; ++l) {
+        __m256 vf[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[l] + 32 * s + 8 * c));
+          vf[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+        }
+        for (int i = 0; i < RT; ++i) {
+          if (i >= nr || l >= limit[r0 + i]) continue;  // a key this row does not see: no term at all
+          const __m256 p = _mm256_set1_ps(scores[(r0 + i) * len + l]);
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_fmadd_ps(p, vf[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < nr; ++i) {
+        alignas(32) float tmp[32];
+        for (int c = 0; c < 4; ++c) _mm256_store_ps(tmp + 8 * c, acc[i][c]);
+        from_float(tmp, orow[r0 + i] + 32 * s, 32);
+      }
+    }
+  }
+}
 #else
-template <int NV>
+template <int NV, typename O>
 void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, const c10::BFloat16* const*,
-                      const int64_t*, int64_t, int64_t, float, float*, c10::BFloat16* const*) {}
+                      const int64_t*, int64_t, int64_t, float, float*, O* const*) {}
+#endif
+
+// Whether this build has a register-tiled bf16 task (AVX512-BF16, or AVX2 + FMA).
+#if (defined(__AVX512BF16__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kTiledBf16 = true;
+#else
+constexpr bool kTiledBf16 = false;
 #endif
 
 // Query tokens per task in a long query grid (a prefill chunk). Splitting a sequence's queries into
@@ -78,9 +187,9 @@ void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, 
 // cache. Each query row's sums do not depend on the block it is in (batch-invariant as before).
 constexpr int64_t kQueryBlock = 32;
 
-template <typename T>
+template <typename T, typename O>
 void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
-                           const int64_t* visible, T* out, int64_t num_seqs, int64_t qlen, int64_t num_heads,
+                           const int64_t* visible, O* out, int64_t num_seqs, int64_t qlen, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t table_width, int64_t num_blocks,
                            int64_t block_size, float scale) {
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
@@ -96,13 +205,13 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   const int64_t max_rows = qb * group;
   // bf16 with head_dim 32 / 64 / 96 / 128: the register-tiled task (decode_task_bf16)
   const int64_t nv = head_dim / 16;
-  const bool tiled = bf16_dot && head_dim % 32 == 0 && nv >= 2 && nv <= 8;
+  const bool tiled = kTiledBf16 && std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0 && nv >= 2 && nv <= 8;
   std::atomic<int64_t> next_task{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kv(head_dim), scores;
     std::vector<const T*> qrow(max_rows), krow, vrow;
-    std::vector<T*> orow(max_rows);
+    std::vector<O*> orow(max_rows);
     std::vector<int64_t> limit(max_rows);
     for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < num_tasks;) {
       const int64_t pair = task % pairs, q0 = (num_qblocks - 1 - task / pairs) * qb;
@@ -130,9 +239,9 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
           }
           scores.resize(rows * std::max<int64_t>(len, 1));
           using Task = void (*)(const T* const*, const T* const*, const T* const*, const int64_t*, int64_t,
-                                int64_t, float, float*, T* const*);
-          static constexpr Task tasks[] = {nullptr, nullptr, decode_task_bf16<2>, nullptr, decode_task_bf16<4>,
-                                           nullptr, decode_task_bf16<6>, nullptr, decode_task_bf16<8>};
+                                int64_t, float, float*, O* const*);
+          static constexpr Task tasks[] = {nullptr, nullptr, decode_task_bf16<2, O>, nullptr, decode_task_bf16<4, O>,
+                                           nullptr, decode_task_bf16<6, O>, nullptr, decode_task_bf16<8, O>};
           tasks[nv](qrow.data(), krow.data(), vrow.data(), limit.data(), rows, len, scale, scores.data(),
                     orow.data());
           continue;
@@ -190,8 +299,12 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
 
 // q [S, Q, H, D]; kv_cache [2, KVH, NB, BS, D]; block_table [S, W] int64; visible [S, Q] int64
 // (keys 0 .. visible-1 are attended); returns [S, Q, H, D].
-at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
-                               at::Tensor visible, double scale) {
+namespace {
+
+// float_out: a bf16 query grid's result in float32, before its one rounding to bf16 (the float32
+// variant below, which tests use to see every bit of the kernel's summation order).
+at::Tensor run_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
+                         double scale, bool float_out) {
   TORCH_CHECK(q.dim() == 4 && kv_cache.dim() == 5, "decode_attention: q must be [S, Q, H, D], kv_cache 5-D");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "decode_attention: q and kv_cache dtypes differ");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && visible.scalar_type() == at::kLong,
@@ -204,7 +317,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_
   q = q.contiguous();
   block_table = block_table.contiguous();
   visible = visible.contiguous();
-  auto out = at::empty_like(q);
+  auto out = float_out ? at::empty(q.sizes(), q.options().dtype(at::kFloat)) : at::empty_like(q);
   const int64_t S = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t KVH = kv_cache.size(1), NB = kv_cache.size(2), BS = kv_cache.size(3);
   {  // the kernel reads the cache through the table: an id out of range would read out of bounds
@@ -215,19 +328,37 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_
   const int64_t plane = KVH * NB * BS * D;  // keys, then values
   if (q.scalar_type() == at::kBFloat16) {
     const auto* base = kv_cache.data_ptr<c10::BFloat16>();
-    decode_attention_impl<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), base, base + plane,
-                                         block_table.data_ptr<int64_t>(), visible.data_ptr<int64_t>(),
-                                         out.data_ptr<c10::BFloat16>(), S, Q, H, KVH, D, block_table.size(1), NB,
-                                         BS, static_cast<float>(scale));
+    if (float_out)
+      decode_attention_impl<c10::BFloat16, float>(q.data_ptr<c10::BFloat16>(), base, base + plane,
+                                                  block_table.data_ptr<int64_t>(), visible.data_ptr<int64_t>(),
+                                                  out.data_ptr<float>(), S, Q, H, KVH, D, block_table.size(1), NB,
+                                                  BS, static_cast<float>(scale));
+    else
+      decode_attention_impl<c10::BFloat16, c10::BFloat16>(
+          q.data_ptr<c10::BFloat16>(), base, base + plane, block_table.data_ptr<int64_t>(),
+          visible.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), S, Q, H, KVH, D, block_table.size(1), NB, BS,
+          static_cast<float>(scale));
   } else if (q.scalar_type() == at::kFloat) {
     const auto* base = kv_cache.data_ptr<float>();
-    decode_attention_impl<float>(q.data_ptr<float>(), base, base + plane, block_table.data_ptr<int64_t>(),
+    decode_attention_impl<float, float>(q.data_ptr<float>(), base, base + plane, block_table.data_ptr<int64_t>(),
                                  visible.data_ptr<int64_t>(), out.data_ptr<float>(), S, Q, H, KVH, D,
                                  block_table.size(1), NB, BS, static_cast<float>(scale));
   } else {
     TORCH_CHECK(false, "decode_attention: dtype must be bfloat16 or float32, got ", q.scalar_type());
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
+                            double scale) {
+  return run_attention(q, kv_cache, block_table, visible, scale, false);
+}
+
+at::Tensor decode_attention_f32(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
+                                double scale) {
+  return run_attention(q, kv_cache, block_table, visible, scale, true);
 }
 
 }  // namespace phalanx

@@ -7,6 +7,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace phalanx;
   m.def("decode_attention", torch::wrap_pybind_function(decode_attention), "decode_attention");
+  m.def("decode_attention_f32", torch::wrap_pybind_function(decode_attention_f32), "decode_attention_f32");
   m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rotary", torch::wrap_pybind_function(rotary), "rotary");

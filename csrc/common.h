@@ -199,6 +199,70 @@ inline void softmax_row(float* row, int64_t n) {
   const float inv = 1.f / sum;
   for (l = 0; l < n; ++l) row[l] *= inv;
 }
+#elif defined(__AVX2__)
+// Cephes' exp polynomial on 8 lanes: exp_core_ps's operations, op for op (the same bits).
+inline __m256 exp_core_ps8(__m256 x) {
+  const __m256 n = _mm256_round_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+inline __m256 exp_nonpositive_ps8(__m256 x) { return exp_core_ps8(_mm256_max_ps(x, _mm256_set1_ps(-87.0f))); }
+
+// exp(x) for any float32 x: exp_ps's operations on 8 lanes.
+inline __m256 exp_ps8(__m256 x) {
+  const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
+  const __m256 y = exp_core_ps8(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f)));
+  return _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()), over);
+}
+
+// The AVX-512 softmax_row with its 16 lanes held as two 8-lane halves: the same exps, the same
+// per-lane partial sums and _mm512_reduce_add_ps's tree over them (GCC: upper 8 + lower 8, then
+// upper 4 + lower 4, then (0 + 2) + (1 + 3)), so both builds give the same bits.
+inline void softmax_row(float* row, int64_t n) {
+  if (n <= 0) return;
+  int64_t l = 0;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; l + 16 <= n; l += 16)
+    vmax = _mm256_max_ps(vmax, _mm256_max_ps(_mm256_loadu_ps(row + l), _mm256_loadu_ps(row + l + 8)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; l < n; ++l) m = std::max(m, row[l]);
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (l = 0; l + 16 <= n; l += 16) {
+    const __m256 e0 = exp_nonpositive_ps8(_mm256_sub_ps(_mm256_loadu_ps(row + l), vm));
+    const __m256 e1 = exp_nonpositive_ps8(_mm256_sub_ps(_mm256_loadu_ps(row + l + 8), vm));
+    _mm256_storeu_ps(row + l, e0);
+    _mm256_storeu_ps(row + l + 8, e1);
+    lo = _mm256_add_ps(lo, e0);
+    hi = _mm256_add_ps(hi, e1);
+  }
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  alignas(16) float t[4];
+  _mm_store_ps(t, t6);
+  float sum = (t[0] + t[2]) + (t[1] + t[3]);
+  for (; l < n; ++l) {
+    row[l] = exp_nonpositive(row[l] - m);
+    sum += row[l];
+  }
+  const float inv = 1.f / sum;
+  for (l = 0; l < n; ++l) row[l] *= inv;
+}
 #else
 inline void softmax_row(float* row, int64_t n) {
   if (n <= 0) return;

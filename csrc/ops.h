@@ -13,6 +13,9 @@ namespace phalanx {
 // attention.cpp: paged attention of a [S, Q] query grid read through the block table (bf16 / fp32).
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
                             double scale);
+// The same, its result in float32 before the one rounding to the query's dtype (for tests).
+at::Tensor decode_attention_f32(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
+                                double scale);
 
 // cache.cpp: a layer's new keys and values into its paged cache.
 void cache_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slots);

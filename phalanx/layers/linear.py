@@ -13,7 +13,8 @@ batched, chunked or whole, verified in a speculative step or decoded plainly (cs
 the order). Without those kernels (``PHALANX_KERNELS=torch``, no compiler, a CPU below AVX2) or with
 ``PHALANX_CPU_ISA=onednn``, oneDNN's packed linear serves (what vLLM's CPU backend uses): its kernel
 and so its summation order change with the row count, and with the CPU (AMX tiles where present),
-so bf16 results are not batch-invariant there.
+so bf16 results are not batch-invariant there. On a CPU where oneDNN cannot pack bf16 weights
+(AVX2 without AVX512BW/VL/DQ) that path packs nothing: the layers stay `nn.Linear`.
 
 Either way the weight exists once: the packed copy replaces the dense one (a tied logits head is
 the exception: the embedding keeps its row-major table for the lookup, and the head packs a copy).
@@ -21,16 +22,29 @@ the exception: the embedding keeps its row-major table for the lookup, and the h
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from phalanx.ops import cpu as cpu_ops
 
 
-def prepack_supported(dtype: torch.dtype) -> bool:
-    """bf16 on a CPU whose PyTorch build has oneDNN (the fallback GEMM; the kernels' own GEMM needs
-    nothing more)."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN's bf16 packed linear runs on this CPU: PyTorch built with oneDNN, and a CPU with
+    AVX512BW/VL/DQ or AVX-NE-CONVERT (on an AVX2-only CPU oneDNN refuses to pack bf16 weights)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def prepack_supported(dtype: torch.dtype, isa: int | None = None) -> bool:
+    """bf16 with a GEMM to pack for on GEMM path `isa` (None: ``ops.cpu.gemm_isa()``): the kernels'
+    GEMM (1, 2), or oneDNN's packed linear (0) where this CPU runs it. Otherwise the linears stay
+    `nn.Linear` (PyTorch's own bf16 matmul)."""
+    if dtype != torch.bfloat16:
+        return False
+    isa = cpu_ops.gemm_isa() if isa is None else isa
+    return bool(isa) or onednn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -48,8 +62,14 @@ class PackedLinear(nn.Module):
             module = cpu_ops.load(required=True)
             self.packed = module.pack_pairs(weight.detach())  # [ceil(N / 16), ceil(K / 2), 16, 2]
             self._gemm = module.gemm
-        else:
+        elif onednn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        else:
+            raise RuntimeError(
+                "PackedLinear: GEMM path 0 (oneDNN's packed bf16 linear) does not run on this CPU (it needs "
+                "AVX512BW/VL/DQ or AVX-NE-CONVERT); valid paths here: "
+                f"{cpu_ops.load().gemm_isas() if cpu_ops.kernel_for(torch.bfloat16) else []} "
+                "(or leave the layer an nn.Linear: prepack_supported() says which)")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, isa: int | None = None) -> PackedLinear:
@@ -77,7 +97,7 @@ def prepack_linears(module: nn.Module, isa: int | None = None) -> int:
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and prepack_supported(child.weight.dtype):
+            if isinstance(child, nn.Linear) and prepack_supported(child.weight.dtype, isa):
                 setattr(parent, name, PackedLinear.from_linear(child, isa))
                 count += 1
     return count

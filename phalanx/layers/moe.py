@@ -60,7 +60,7 @@ class SparseMoE(nn.Module):
         """Pack this rank's expert weights for the bf16 GEMM (after loading; ``layers.linear``: the
         experts are linears like any other, batch-invariant on the kernels' GEMM). The stacked dense
         tensors are dropped: the packed experts are the only copy."""
-        if prepack_supported(self.w13.dtype):
+        if prepack_supported(self.w13.dtype, isa):
             self.packed_experts = [(PackedLinear(a, None, isa), PackedLinear(b, None, isa))
                                    for a, b in zip(self.w13, self.w2)]
             self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)

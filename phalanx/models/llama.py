@@ -334,9 +334,9 @@ class CausalLM(nn.Module):
         """bf16 on CPU: pack every linear, the experts and the logits head once, after loading, all
         on one GEMM path (``layers.linear``; the kernels' batch-invariant GEMM by default). A tied
         head packs a copy of the embedding (the lookup keeps the row-major table). No-op otherwise."""
-        if not prepack_supported(self.config.dtype):
-            return
         isa = cpu_ops.gemm_isa()
+        if not prepack_supported(self.config.dtype, isa):
+            return
         prepack_linears(self, isa)
         for module in self.modules():
             if isinstance(module, SparseMoE):

@@ -88,7 +88,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"  # the kernels' C++ sources,
 SOURCES = ("attention.cpp", "cache.cpp", "norm.cpp", "elementwise.cpp", "argmax.cpp", "gemm.cpp",
            "fused_layer.cpp", "chains.cpp", "bindings.cpp")
 FUNCTIONS = (
-    "decode_attention", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
+    "decode_attention", "decode_attention_f32", "rms_norm", "add_rms_norm", "rotary", "silu_mul", "argmax_rows", "cache_write",
     "pack_pairs", "gemm", "gemm_isas", "fused_layer",
     "eagle_chain", "model_chain",
 )

@@ -4,6 +4,7 @@ output never depends on the batch or the query count around it), and the backend
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -96,6 +97,115 @@ def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim) -> N
     # a wider block table (padding columns past every sequence's end) changes nothing
     wide = torch.cat([table, torch.zeros(table.shape[0], 3, dtype=torch.int64)], dim=1)
     assert torch.equal(kernel.decode_attention(q, cache, wide, visible, 0.125), full)
+
+
+# ---- the register-tiled bf16 attention's summation order, step by step in numpy ------------------
+_TINY = np.float32(2.0**-126)  # the smallest normal float32: below it DAZ / FTZ read and write zero
+
+
+def _ftz(x: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(x) < _TINY, np.float32(0), x).astype(np.float32)
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fma: the exact a * b + c (a product of a float32 and a bf16 value is exact in 64-bit
+    long double arithmetic) rounded once to float32."""
+    return (a.astype(np.longdouble) * b.astype(np.longdouble) + c.astype(np.longdouble)).astype(np.float32)
+
+
+def _exp_nonpositive(x: np.ndarray) -> np.ndarray:  # common.h's Cephes polynomial, op for op in float32
+    f = np.float32
+    x = np.maximum(x, f(-87.0))
+    n = np.floor(x * f(1.44269504088896341) + f(0.5))
+    r = (x - n * f(0.693359375)) + n * f(2.12194440e-4)
+    y = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + f(c)
+    y = ((y * r) * r + r) + f(1.0)
+    scale = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(np.float32)
+    return (y * scale).astype(np.float32)
+
+
+def _tiled_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """One query row of the tiled bf16 task (csrc/attention.cpp) in numpy float32, every rounding
+    where the kernel rounds: q [D], keys / values [L, D] (bf16 values as float32) -> float32 [D], the
+    result before its rounding to bf16."""
+    f = np.float32
+    d = q.shape[0]
+    qz, kz = _ftz(q), _ftz(keys)
+    lanes = np.zeros((keys.shape[0], 16), np.float32)  # lane i: pairs (2i, 2i + 1) of each 32-chunk
+    for c in range(d // 32):
+        odd, even = 32 * c + 2 * np.arange(16) + 1, 32 * c + 2 * np.arange(16)
+        lanes = _ftz(_fma(kz[:, odd], np.broadcast_to(qz[odd], kz[:, odd].shape), lanes))
+        lanes = _ftz(_fma(kz[:, even], np.broadcast_to(qz[even], kz[:, even].shape), lanes))
+    quarter = [(lanes[:, 4 * g] + lanes[:, 4 * g + 2]) + (lanes[:, 4 * g + 1] + lanes[:, 4 * g + 3]) for g in range(4)]
+    scores = ((quarter[0] + quarter[1]) + (quarter[2] + quarter[3])) * f(scale)
+    n = scores.shape[0]
+    full = n // 16 * 16
+    e = _exp_nonpositive(scores - scores.max())
+    vsum = np.zeros(16, np.float32)
+    for b in range(0, full, 16):
+        vsum = vsum + e[b : b + 16]
+    t3 = vsum[8:] + vsum[:8]
+    t6 = t3[4:] + t3[:4]
+    total = (t6[0] + t6[2]) + (t6[1] + t6[3])
+    for i in range(full, n):
+        total = total + e[i]
+    p = e * (f(1.0) / total)
+    acc = np.zeros(d, np.float32)
+    for i in range(n):
+        acc = _fma(np.full(d, p[i], np.float32), values[i], acc)
+    return acc
+
+
+def _tiled_reference(q, cache, table, visible, scale) -> torch.Tensor:
+    s_, ql, h, d = q.shape
+    kvh, bs = cache.shape[1], cache.shape[3]
+    out = torch.empty(s_, ql, h, d, dtype=torch.float32)
+    kc, vc, qf = cache[0].float().numpy(), cache[1].float().numpy(), q.float().numpy()
+    for s in range(s_):
+        for i in range(ql):
+            pos = np.arange(int(visible[s, i]))
+            blk, off = table[s].numpy()[pos // bs], pos % bs
+            for head in range(h):
+                kv_head = head // (h // kvh)
+                row = _tiled_row(qf[s, i, head], kc[kv_head, blk, off], vc[kv_head, blk, off], scale)
+                out[s, i, head] = torch.from_numpy(row)
+    return out
+
+
+def _attention_kernel_builds(kernel) -> list:
+    """(name, module) of every register-tiled bf16 attention this CPU can run: this build's, and the
+    AVX2 build (-march=haswell) where this CPU has AVX-512 too."""
+    builds = [("native", kernel)]
+    flags = open("/proc/cpuinfo").read()
+    if " avx512f" in flags and " avx2" in flags and " fma" in flags:
+        builds.append(("haswell", cpu_ops.build(name="phalanx_cpu_ops_avx2", march="haswell", variant="haswell")))
+    return builds
+
+
+@pytest.mark.parametrize("head_dim,max_len,qlen,group", [(64, 70, 3, 3), (32, 300, 1, 2), (128, 40, 2, 1),
+                                                         (96, 33, 1, 4), (64, 530, 1, 1)])
+def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len, qlen, group) -> None:
+    """The register-tiled bf16 task on AVX2 + FMA computes VDPBF16PS's pair steps under DAZ / FTZ, the
+    same 16-lane tree, softmax and per-key FMAs as the AVX512-BF16 task: the numpy model of that order
+    (above) gives its float32 result (`decode_attention_f32`) bit for bit, across 16-key blocks,
+    256-key chunks and a masked tail.
+    Checked on every AVX2 build this CPU can run (an AVX512-BF16 CPU also runs the haswell build)."""
+    q, cache, table, visible = _case(11 + head_dim, seqs=2, qlen=qlen, kvh=2, group=group, head_dim=head_dim,
+                                     block_size=16, max_len=max_len, dtype=torch.bfloat16)
+    cache[0, 0, 0, 0, :4] = torch.tensor([1e-39, -1e-39, 0.0, 3e-39]).bfloat16()  # denormal keys read as zero
+    want = _tiled_reference(q, cache, table, visible, head_dim**-0.5)
+    ran = 0
+    for name, module in _attention_kernel_builds(kernel):
+        if name == "native" and "avx512_bf16" in open("/proc/cpuinfo").read():
+            continue  # the AVX512-BF16 task: the same order by design, compared with the haswell build below
+        got = module.decode_attention_f32(q, cache, table, visible, head_dim**-0.5)  # every float32 bit
+        assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {got.numel()} elements differ"
+        assert torch.equal(module.decode_attention(q, cache, table, visible, head_dim**-0.5), want.bfloat16())
+        ran += 1
+    if not ran:
+        pytest.skip("no AVX2 + FMA build can run on this CPU")
 
 
 def test_kernel_rejects_bad_inputs(kernel) -> None:

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx import LLM
-from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
+from phalanx import LLM, SamplingParams
+from phalanx.layers import linear as linear_module
+from phalanx.layers.linear import PackedLinear, onednn_bf16_supported, prepack_linears, prepack_supported
 from phalanx.layers.moe import SparseMoE
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
@@ -54,9 +55,15 @@ def test_packed_linear_is_the_gemm(rows: int, bias: bool) -> None:
     torch.testing.assert_close(packed(x).float(), F.linear(x, lin.weight, lin.bias).float(), atol=3e-2, rtol=2e-2)
 
 
+def _onednn_path() -> None:
+    if not onednn_bf16_supported():
+        pytest.skip("oneDNN's bf16 packed linear does not run on this CPU (needs AVX512BW/VL/DQ or AVX-NE-CONVERT)")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_onednn_path_is_bitwise_f_linear(rows: int, bias: bool) -> None:
+    _onednn_path()
     lin, x = _layer(rows, bias)
     packed = PackedLinear.from_linear(lin, isa=0)
     assert packed._gemm is None
@@ -72,11 +79,33 @@ def test_prepack_swaps_only_bf16_linears() -> None:
 
 def test_the_path_follows_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     _gemm_path()
+    _onednn_path()
     monkeypatch.setenv("PHALANX_CPU_ISA", "onednn")
     assert PackedLinear(torch.randn(96, 64).bfloat16(), None).isa == 0
     monkeypatch.setenv("PHALANX_KERNELS", "torch")
     monkeypatch.setenv("PHALANX_CPU_ISA", "auto")
     assert PackedLinear(torch.randn(96, 64).bfloat16(), None).isa == 0
+
+
+def test_without_onednn_bf16_path_zero_leaves_plain_linears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU where oneDNN cannot pack bf16 weights (AVX2 without AVX512BW/VL/DQ; simulated here) and
+    the GEMM switched off: nothing is packed, the model serves on F.linear, a path-0 PackedLinear is
+    a clear error, and with the GEMM on everything packs as usual."""
+    monkeypatch.setattr(linear_module, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setenv("PHALANX_CPU_ISA", "onednn")
+    assert not prepack_supported(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="path 0 .*does not run on this CPU.*valid paths here"):
+        PackedLinear(torch.randn(96, 64).bfloat16(), None, isa=0)
+    m = nn.Sequential(nn.Linear(4, 4, dtype=torch.bfloat16))
+    assert prepack_linears(m, isa=0) == 0 and isinstance(m[0], nn.Linear)
+    for arch in ("LlamaForCausalLM", "Qwen2MoeForCausalLM"):  # dense, tied head, MoE experts
+        folder = make_model(arch, tmp_path / arch, num_hidden_layers=2)
+        llm = LLM(str(folder), dtype="bfloat16")
+        assert not _linears(llm.engine.runner.model)
+        out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 5
+    monkeypatch.setenv("PHALANX_CPU_ISA", "auto")
+    assert prepack_supported(torch.bfloat16) == bool(cpu_ops.gemm_isa())
 
 
 def _linears(model: nn.Module) -> list[PackedLinear]:

@@ -149,38 +149,53 @@ inline __m128i to_bf16_avx2(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes 0 and 2
 }
 
+// x's rows split once per call for the AVX2 path: row m, pair p -> (odd, even) elements as float32
+// (exact: a bf16 value is the top half of its float32), so the tile broadcasts each straight from
+// memory instead of unpacking the pair once per row and column block.
+void split_pairs(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t KP = (K + 1) / 2;
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const uint16_t* row = x + m * K;
+      float* out = xs + m * KP * 2;
+      for (int64_t k = 0; k < K; ++k) out[2 * (k / 2) + 1 - k % 2] = bits_to_float(row[k]);
+      if (K % 2) out[2 * (KP - 1)] = 0.f;  // an odd K's last pair: (x[K - 1], 0), its odd half zero
+    }
+  });
+}
+
 // MR rows x one block of 16 columns (two 8-lane halves), the VDPBF16PS steps with FMAs (the
-// caller set DAZ / FTZ): the odd element of each pair, then the even one.
+// caller set DAZ / FTZ): the odd element of each pair, then the even one. xs: the rows' pairs from
+// split_pairs (odd, even per pair).
 template <int MR>
-inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t KP, int64_t nb, const float* bias,
-                      uint16_t* y, int64_t N) {
+inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, int64_t nb, const float* bias, uint16_t* y,
+                      int64_t N) {
   __m256 acc[MR][2];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const uint16_t* wb = w + nb * KP * 32;
-  const int64_t full = K / 2;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  auto step = [&](int64_t p, auto pair_of) {
+  for (int64_t p = 0; p < KP; ++p) {
     __m256 even[2], odd[2];
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // 8 columns x (even, odd) as 32-bit words (odd << 16 | even)
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
       even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
     }
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
-      const uint32_t pair = pair_of(x + m * K, p);
-      const uint32_t hi = pair & 0xFFFF0000u, lo = pair << 16;
-      float xo, xe;
-      std::memcpy(&xo, &hi, 4);
-      std::memcpy(&xe, &lo, 4);
-      const __m256 vo = _mm256_set1_ps(xo), ve = _mm256_set1_ps(xe);
+      const float* pair = xs + (m * KP + p) * 2;
+      const __m256 vo = _mm256_broadcast_ss(pair), ve = _mm256_broadcast_ss(pair + 1);
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(ve, even[h], _mm256_fmadd_ps(vo, odd[h], acc[m][h]));
     }
-  };
-  for (int64_t p = 0; p < full; ++p) step(p, full_pair);
-  if (full < KP) step(full, half_pair);
+  }
   const int64_t n0 = nb * 16, cnt = std::min<int64_t>(16, N - n0);
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     alignas(32) uint16_t out[16];
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256 v = bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + n0 + 8 * h)) : acc[m][h];
       _mm_store_si128(reinterpret_cast<__m128i*>(out + 8 * h), to_bf16_avx2(v));
@@ -189,25 +204,28 @@ inline void tile_avx2(const uint16_t* x, int64_t K, const uint16_t* w, int64_t K
   }
 }
 
-void run_avx2(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t KP, int64_t nb0, int64_t nb1,
-              const float* bias, uint16_t* y, int64_t N) {
-  constexpr int MR = 4;  // 8 accumulators + 4 weight + 2 broadcast registers of the 16 ymm
+void run_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, int64_t nb0, int64_t nb1, const float* bias,
+              uint16_t* y, int64_t N) {
+  // 10 accumulators (10 FMA chains in flight: each output's chain of FMAs is serial, its order fixed)
+  // + 4 weight + 1-2 broadcast registers of the 16 ymm
+  constexpr int MR = 5;
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const uint16_t* xm = x + m0 * K;
+      const float* xm = xs + m0 * KP * 2;
       uint16_t* ym = y + m0 * N;
       switch (std::min<int64_t>(MR, M - m0)) {
-        case 4: tile_avx2<4>(xm, K, w, KP, nb, bias, ym, N); break;
-        case 3: tile_avx2<3>(xm, K, w, KP, nb, bias, ym, N); break;
-        case 2: tile_avx2<2>(xm, K, w, KP, nb, bias, ym, N); break;
-        default: tile_avx2<1>(xm, K, w, KP, nb, bias, ym, N); break;
+        case 5: tile_avx2<5>(xm, KP, w, nb, bias, ym, N); break;
+        case 4: tile_avx2<4>(xm, KP, w, nb, bias, ym, N); break;
+        case 3: tile_avx2<3>(xm, KP, w, nb, bias, ym, N); break;
+        case 2: tile_avx2<2>(xm, KP, w, nb, bias, ym, N); break;
+        default: tile_avx2<1>(xm, KP, w, nb, bias, ym, N); break;
       }
     }
 }
 #else
 constexpr bool kHasAvx2 = false;
-void run_avx2(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, const float*, uint16_t*,
-              int64_t) {}
+void split_pairs(const uint16_t*, int64_t, int64_t, float*) {}
+void run_avx2(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*, int64_t) {}
 #endif
 
 }  // namespace
@@ -246,6 +264,11 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
   const uint16_t* wp = u16(packed);
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   uint16_t* y = u16_mut(out);
+  std::vector<float> xs;  // the AVX2 path's rows as (odd, even) float32 pairs
+  if (isa == kGemmAvx2) {
+    xs.resize(M * KP * 2);
+    split_pairs(xp, M, K, xs.data());
+  }
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, groups = (NB + kItemBlocks - 1) / kItemBlocks;
   // a thread only for >= ~64K multiply-adds (a wake-up costs a few microseconds)
   const int64_t item_work = std::min(M, kChunkRows) * kItemBlocks * 16 * K;
@@ -259,7 +282,7 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
       const int64_t m0 = c * kChunkRows, rows = std::min(kChunkRows, M - m0);
       const int64_t nb0 = g0 * kItemBlocks, nb1 = std::min(NB, g1 * kItemBlocks);
       if (isa == kGemmAvx512Bf16) run_bf16(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
-      else run_avx2(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
+      else run_avx2(xs.data() + m0 * KP * 2, rows, KP, wp, nb0, nb1, bp, y + m0 * N, N);
     }
     _mm_setcsr(csr);
   });

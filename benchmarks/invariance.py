@@ -22,7 +22,11 @@ time is a run's time minus the time of the same requests with one output token.
 Memory: for each path, a fresh process loads the model (``kv_cache_space=0.05``) and reports the
 bytes of the model's tensors (packed weights included, each counted once) and its resident set.
 
-Paths: auto (the best GEMM path this CPU has), avx512_bf16, avx2, onednn.
+Kernel cost on a CPU where oneDNN cannot pack bf16 weights (AVX2 without AVX512BW/VL/DQ): against
+the float32 matmul (MKL) of the same weights in float32 instead.
+
+Paths: auto (the best GEMM path this CPU has), avx512_bf16, avx2, onednn (on a CPU without oneDNN
+bf16: the layers stay nn.Linear), float32 (the model loaded in float32: no GEMM, MKL's matmul).
 
 Clock: wall (default) or cpu — the process's CPU time, which on a machine shared with other work
 measures the work itself rather than the waits for a core; meaningful with --threads 1 (with more
@@ -64,9 +68,13 @@ PROMPTS = [
 
 
 def _llm(model: str, path: str, **kwargs: Any):  # noqa: ANN202
-    """An LLM whose bf16 linears all take GEMM `path` (chosen when the model is packed at load)."""
+    """An LLM whose bf16 linears all take GEMM `path` (chosen when the model is packed at load);
+    path "float32": the model in float32 (PyTorch's matmul, MKL), the alternative on a CPU whose
+    bf16 arithmetic is emulated."""
     from phalanx import LLM
 
+    if path == "float32":
+        return LLM(model, dtype="float32", **{"max_model_len": 1024, **kwargs})
     os.environ["PHALANX_CPU_ISA"] = path
     try:
         return LLM(model, dtype="bfloat16", **{"max_model_len": 1024, **kwargs})
@@ -75,14 +83,18 @@ def _llm(model: str, path: str, **kwargs: Any):  # noqa: ANN202
 
 
 def path_name(path: str) -> str:
+    from phalanx.layers.linear import onednn_bf16_supported
     from phalanx.ops import cpu
 
+    if path == "float32":
+        return "float32 model (MKL)"
     os.environ["PHALANX_CPU_ISA"] = path
     try:
         isa = cpu.gemm_isa()
     finally:
         os.environ.pop("PHALANX_CPU_ISA", None)
-    return {2: "GEMM avx512_bf16", 1: "GEMM avx2", 0: "oneDNN"}[isa]
+    return {2: "GEMM avx512_bf16", 1: "GEMM avx2"}.get(isa) or (
+        "oneDNN" if onednn_bf16_supported() else "F.linear (no oneDNN bf16 on this CPU)")
 
 
 # ---- invariance -------------------------------------------------------------------------------------
@@ -130,25 +142,35 @@ def _time_us(fn, calls: int = 25) -> float:  # noqa: ANN001
 
 
 def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
+    from phalanx.layers.linear import onednn_bf16_supported
     from phalanx.ops import cpu
 
     module = cpu.load(required=True)
     totals: dict[int, list[float]] = {}
     clock = "CPU time" if CLOCK is time.process_time else "wall clock"
-    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, us per call (oneDNN / GEMM = ratio)\n")
+    # the baseline: oneDNN's packed bf16 linear, or where this CPU cannot run it (AVX2 without
+    # AVX512BW/VL/DQ) the float32 matmul (MKL) of a float32 model
+    onednn = onednn_bf16_supported()
+    base = "oneDNN" if onednn else "float32 MKL"
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, us per call ({base} / GEMM = ratio)\n")
     print("| layer (N x K) | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     for name, n, k in model_shapes(model):
         g = torch.Generator().manual_seed(n + k)
         w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
-        onednn, pairs = torch.ops.mkldnn._reorder_linear_weight(w), module.pack_pairs(w)
+        ref_w = torch.ops.mkldnn._reorder_linear_weight(w) if onednn else w.float()
+        pairs = module.pack_pairs(w)
         cells = []
         for rows in rows_list:
             if name == "lm_head" and rows > 64:  # logits are computed for sampled rows only
                 cells.append("-")
                 continue
             x = torch.randn(rows, k, generator=g).bfloat16()
-            a = _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))  # noqa: B023
+            if onednn:
+                a = _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, ref_w, None, "none", [], ""))  # noqa: B023
+            else:
+                xf = x.float()
+                a = _time_us(lambda: torch.nn.functional.linear(xf, ref_w))  # noqa: B023
             b = _time_us(lambda: module.gemm(x, pairs, n, None, isa))  # noqa: B023
             totals.setdefault(rows, [0.0, 0.0])
             totals[rows][0] += a
@@ -262,7 +284,7 @@ def main() -> None:
                 print(f"| {Path(model).name} | " + " | ".join(f"{a}/{b}" for a, b in res.values())
                       + f" | {same}/{total} |", flush=True)
     if "kernels" in sections:
-        gemm_paths = [p for p in paths if path_name(p) != "oneDNN"]
+        gemm_paths = [p for p in paths if path_name(p).startswith("GEMM")]
         if gemm_paths:
             os.environ["PHALANX_CPU_ISA"] = gemm_paths[0]
             isa = cpu.gemm_isa()

@@ -290,6 +290,31 @@ inline __m256i float_to_bits_ps(__m512 x) {
 
 #endif
 
+#if defined(__AVX2__)
+// float32 -> bf16 bits as VCVTNEPS2BF16 rounds (8 lanes): zero and denormals -> signed zero, NaN ->
+// its top half made quiet, everything else (infinities included) to nearest even.
+inline __m128i to_bf16_avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i exponent = _mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000));
+  const __m256i tiny = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000));
+  out = _mm256_blendv_epi8(out, sign, tiny);
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
+  out = _mm256_blendv_epi8(out, quiet, nan);
+  const __m256i packed = _mm256_packus_epi32(out, out);  // per 128-bit lane: 4 words, twice
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes 0 and 2
+}
+
+// 8 bf16 -> 8 float32 (exact)
+inline __m256 load8_ps(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
 inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* u16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 

@@ -85,6 +85,17 @@ at::Tensor silu_mul(at::Tensor x) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), float_to_bits_ps(_mm512_mul_ps(sf, uf)));
 #endif
       }
+#elif defined(__AVX2__)
+      // the AVX512-BF16 build's steps on 8 lanes: its 16-element steps as two halves (so the same
+      // elements are left to the scalar tail), exp_ps's polynomial, VCVTNEPS2BF16's rounding
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; d + 16 <= I; d += 16)
+        for (int h = 0; h < 16; h += 8) {
+          const __m256 gf = load8_ps(g + d + h), uf = load8_ps(u + d + h);
+          const __m256 silu = _mm256_div_ps(gf, _mm256_add_ps(one, exp_ps8(_mm256_sub_ps(_mm256_setzero_ps(), gf))));
+          const __m256 sf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_avx2(silu)), 16));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d + h), to_bf16_avx2(_mm256_mul_ps(sf, uf)));
+        }
 #endif
       for (; d < I; ++d) o[d] = scalar(g[d], u[d]);
     }

@@ -131,24 +131,6 @@ void run_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kHasAvx2 = true;
 
-// float32 -> bf16 bits as VCVTNEPS2BF16 rounds (8 lanes): zero and denormals -> signed zero, NaN ->
-// its top half made quiet, everything else (infinities included) to nearest even.
-inline __m128i to_bf16_avx2(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  const __m256i exponent = _mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000));
-  const __m256i tiny = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000));
-  out = _mm256_blendv_epi8(out, sign, tiny);
-  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x0040));
-  out = _mm256_blendv_epi8(out, quiet, nan);
-  const __m256i packed = _mm256_packus_epi32(out, out);  // per 128-bit lane: 4 words, twice
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes 0 and 2
-}
-
 // x's rows split once per call for the AVX2 path: row m, pair p -> (odd, even) elements as float32
 // (exact: a bf16 value is the top half of its float32), so the tile broadcasts each straight from
 // memory instead of unpacking the pair once per row and column block.

@@ -208,6 +208,44 @@ def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len
         pytest.skip("no AVX2 + FMA build can run on this CPU")
 
 
+def _bf16_round_ftz(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 (as float32) the way VCVTNEPS2BF16 rounds: zero and denormals to signed zero,
+    the rest to nearest even (no NaN in these tests)."""
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16) << 16
+    tiny = (bits & np.uint32(0x7F800000)) == 0
+    return np.where(tiny, bits & np.uint32(0x80000000), rounded).astype(np.uint32).view(np.float32)
+
+
+def _silu_mul_model(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu_mul's vector steps (elementwise.cpp, the AVX512-BF16 build) in numpy float32."""
+    f = np.float32
+    x = f(0) - gate
+    e = _exp_nonpositive(np.minimum(x, f(88.0)))  # exp_ps: the polynomial on [-87, 88], +inf above 88.72
+    e = np.where(x > f(88.7228), f(np.inf), e)
+    return _bf16_round_ftz(_bf16_round_ftz(gate / (f(1.0) + e)) * up)
+
+
+@pytest.mark.parametrize("rows,inter", [(3, 48), (2, 1536)])
+def test_silu_mul_avx2_is_its_order_bit_for_bit(kernel, rows, inter) -> None:
+    """SiLU-and-multiply's AVX2 steps are the AVX512-BF16 build's (exp_ps's polynomial, a division,
+    VCVTNEPS2BF16's rounding twice): a numpy model of them gives its output bit for bit, on every AVX2
+    build this CPU can run (the whole row in 16-element steps: no scalar tail here)."""
+    gu = _bf16((rows, 2 * inter), 21, 4.0)
+    gu[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-39, 90.0, -90.0, 3.0]).bfloat16()
+    gate, up = gu[:, :inter].float().numpy(), gu[:, inter:].float().numpy()
+    want = torch.from_numpy(_silu_mul_model(gate, up)).bfloat16()
+    ran = 0
+    for name, module in _attention_kernel_builds(kernel):
+        if name == "native" and " avx512f" in open("/proc/cpuinfo").read():
+            continue  # the AVX-512 steps: the same by design, compared through the haswell build's
+        got = module.silu_mul(gu)
+        assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {got.numel()} differ"
+        ran += 1
+    if not ran:
+        pytest.skip("no AVX2 build can run on this CPU")
+
+
 def test_kernel_rejects_bad_inputs(kernel) -> None:
     q, cache, table, visible = _case(1, seqs=2, qlen=1, kvh=2, group=2, head_dim=8, block_size=4, max_len=9,
                                      dtype=torch.float32)
@@ -444,6 +482,8 @@ def test_the_avx2_build_computes_what_this_one_does(kernel) -> None:
     and it gives the bits this build's best path gives (the paths share one summation order)."""
     if not kernel.gemm_isas():
         pytest.skip("this CPU has no AVX2 + FMA: the haswell build could not run here")
+    if " avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX-512: its own build is an AVX2 build (the order tests check it)")
     avx2 = cpu_ops.build(name="phalanx_cpu_ops_avx2", march="haswell", variant="haswell")
     assert avx2.gemm_isas() == [cpu_ops.GEMM_ISAS["avx2"]]
     w, x, b = _bf16((300, 577), 1), _bf16((40, 577), 2), _bf16((300,), 3)

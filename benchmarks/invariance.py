@@ -120,9 +120,10 @@ def invariance(model: str, path: str) -> dict[str, tuple[int, int]]:
 # ---- kernel cost ------------------------------------------------------------------------------------
 def model_shapes(model: str) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of every distinct linear of the model and its logits head."""
+    from phalanx.checkpoint import resolve_model_path
     from phalanx.config import ModelConfig
 
-    cfg = ModelConfig.from_hf(model, "bfloat16")
+    cfg = ModelConfig.from_hf(resolve_model_path(model), "bfloat16")
     h, hd = cfg.hidden_size, cfg.head_dim
     return [("qkv", (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, h), ("o", h, cfg.num_heads * hd),
             ("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),

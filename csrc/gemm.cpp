@@ -24,6 +24,8 @@
 #include <ATen/ops/zeros.h>
 #include <xmmintrin.h>
 
+#include <cstdlib>
+
 #include "common.h"
 #include "gemm.h"
 
@@ -146,12 +148,45 @@ void split_pairs(const uint16_t* x, int64_t M, int64_t K, float* xs) {
   });
 }
 
+// A thread's buffer for split_panel, 64-byte aligned, kept between calls (grown, never shrunk).
+struct PanelBuffer {
+  float* data = nullptr;
+  size_t size = 0;
+  PanelBuffer() = default;
+  PanelBuffer(const PanelBuffer&) = delete;
+  PanelBuffer& operator=(const PanelBuffer&) = delete;
+  ~PanelBuffer() { std::free(data); }
+  float* get(size_t n) {
+    if (n > size) {
+      std::free(data);
+      data = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
+      TORCH_CHECK(data != nullptr, "gemm: cannot allocate a ", n * sizeof(float), "-byte weight panel");
+      size = n;
+    }
+    return data;
+  }
+};
+
+// A block's weight panel split once into float32 for a chunk of many rows (each of its tiles then
+// loads the halves instead of unpacking the pairs again): per pair p, 32 floats — the odd elements
+// of columns 0-7 and 8-15, then the even ones.
+void split_panel(const uint16_t* wb, int64_t KP, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < KP; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
+      _mm256_store_ps(out + p * 32 + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+      _mm256_store_ps(out + p * 32 + 16 + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+}
+
 // MR rows x one block of 16 columns (two 8-lane halves), the VDPBF16PS steps with FMAs (the
 // caller set DAZ / FTZ): the odd element of each pair, then the even one. xs: the rows' pairs from
-// split_pairs (odd, even per pair).
-template <int MR>
-inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, int64_t nb, const float* bias, uint16_t* y,
-                      int64_t N) {
+// split_pairs (odd, even per pair). The block's weights: packed pairs (w, kSplit false) or the
+// panel from split_panel (wf, kSplit true); the same values, so the same bits.
+template <int MR, bool kSplit>
+inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, const float* wf, int64_t nb, const float* bias,
+                      uint16_t* y, int64_t N) {
   __m256 acc[MR][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -161,9 +196,14 @@ inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, int64_t nb
     __m256 even[2], odd[2];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // 8 columns x (even, odd) as 32-bit words (odd << 16 | even)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
-      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      if constexpr (kSplit) {
+        odd[h] = _mm256_load_ps(wf + p * 32 + 8 * h);
+        even[h] = _mm256_load_ps(wf + p * 32 + 16 + 8 * h);
+      } else {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -186,23 +226,37 @@ inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, int64_t nb
   }
 }
 
+template <int MR, bool kSplit>
+void rows_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, const float* wf, int64_t nb,
+               const float* bias, uint16_t* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += MR) {
+    const float* xm = xs + m0 * KP * 2;
+    uint16_t* ym = y + m0 * N;
+    switch (std::min<int64_t>(MR, M - m0)) {
+      case 5: tile_avx2<5, kSplit>(xm, KP, w, wf, nb, bias, ym, N); break;
+      case 4: tile_avx2<4, kSplit>(xm, KP, w, wf, nb, bias, ym, N); break;
+      case 3: tile_avx2<3, kSplit>(xm, KP, w, wf, nb, bias, ym, N); break;
+      case 2: tile_avx2<2, kSplit>(xm, KP, w, wf, nb, bias, ym, N); break;
+      default: tile_avx2<1, kSplit>(xm, KP, w, wf, nb, bias, ym, N); break;
+    }
+  }
+}
+
 void run_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, int64_t nb0, int64_t nb1, const float* bias,
               uint16_t* y, int64_t N) {
   // 10 accumulators (10 FMA chains in flight: each output's chain of FMAs is serial, its order fixed)
   // + 4 weight + 1-2 broadcast registers of the 16 ymm
   constexpr int MR = 5;
-  for (int64_t nb = nb0; nb < nb1; ++nb)
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const float* xm = xs + m0 * KP * 2;
-      uint16_t* ym = y + m0 * N;
-      switch (std::min<int64_t>(MR, M - m0)) {
-        case 5: tile_avx2<5>(xm, KP, w, nb, bias, ym, N); break;
-        case 4: tile_avx2<4>(xm, KP, w, nb, bias, ym, N); break;
-        case 3: tile_avx2<3>(xm, KP, w, nb, bias, ym, N); break;
-        case 2: tile_avx2<2>(xm, KP, w, nb, bias, ym, N); break;
-        default: tile_avx2<1>(xm, KP, w, nb, bias, ym, N); break;
-      }
-    }
+  if (M <= 2 * MR) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) rows_avx2<MR, false>(xs, M, KP, w, nullptr, nb, bias, y, N);
+    return;
+  }
+  thread_local PanelBuffer panel;
+  float* wf = panel.get(KP * 32);
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    split_panel(w + nb * KP * 32, KP, wf);
+    rows_avx2<MR, true>(xs, M, KP, w, wf, nb, bias, y, N);
+  }
 }
 #else
 constexpr bool kHasAvx2 = false;

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_write", torch::wrap_pybind_function(cache_write), "cache_write");
   m.def("pack_pairs", torch::wrap_pybind_function(pack_pairs), "pack_pairs");
   m.def("gemm", torch::wrap_pybind_function(gemm), "gemm");
+  m.def("embedding_rows", torch::wrap_pybind_function(embedding_rows), "embedding_rows");
   m.def("gemm_isas", torch::wrap_pybind_function(gemm_isas), "gemm_isas");
   m.def("fused_layer", torch::wrap_pybind_function(fused_layer), "fused_layer");
   m.def("eagle_chain", torch::wrap_pybind_function(eagle_chain), "eagle_chain");

@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "fused_layer.h"
+#include "gemm.h"
 #include "ops.h"
 
 namespace phalanx {
@@ -88,7 +89,7 @@ at::Tensor eagle_chain(at::Tensor ids, at::Tensor feed, at::Tensor start, int64_
     auto pos = ps[0], slots = ps[1];
     auto cos = cos_table.index_select(0, pos).unsqueeze(1), sin = sin_table.index_select(0, pos).unsqueeze(1);
     auto visible = (pos + 1).view({R, q});
-    auto embeds = embed.index_select(0, ids);
+    auto embeds = embedding_rows(embed, ids, feed.size(1), -1);
     std::vector<at::Tensor> layer;
     if (is3) {
       auto x = at::cat({rms_norm_impl(embeds, std::nullopt, eagle3[0], eps)[0],
@@ -140,7 +141,7 @@ at::Tensor model_chain(at::Tensor ids, at::Tensor start, int64_t qlen, at::Tenso
     auto ps = grid_slots(start, q, p == 0 ? 0 : qlen + p - 1, block_table, block_size);
     auto cos = cos_table.index_select(0, ps[0]).unsqueeze(1), sin = sin_table.index_select(0, ps[0]).unsqueeze(1);
     auto visible = (ps[0] + 1).view({R, q});
-    at::Tensor delta = embed.index_select(0, ids);
+    at::Tensor delta = embedding_rows(embed, ids, norm.size(0), vocab);
     std::optional<at::Tensor> residual;
     for (size_t l = 0; l < w.size(); ++l) {
       auto out = layer_impl(w[l], delta, residual, cos, sin, kv_caches[l], ps[1], grid_plan(block_table, visible));

@@ -17,9 +17,11 @@
 // runs either path.
 //
 // The register tiles: MR rows x NR blocks of 16 columns, each (row, block) one accumulator register
-// walking the whole K (no K split); the weight panel of a tile is streamed once per MR rows. Work
-// items are (a chunk of up to 96 rows, 4 column blocks), split over threads in order; a thread runs
-// only for enough work to pay for its wake-up.
+// walking the whole K (no K split); the weight panel of a tile is streamed once per MR rows (on the
+// AVX2 path a chunk of more than two tiles first splits each block's panel into float32 halves,
+// once, so its tiles load them instead of unpacking the pairs each time). Work items are (a chunk
+// of up to 96 rows, 4 column blocks), split over threads in order; a thread runs only for enough
+// work to pay for its wake-up.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <xmmintrin.h>
@@ -321,6 +323,37 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
       else run_avx2(xs.data() + m0 * KP * 2, rows, KP, wp, nb0, nb1, bp, y + m0 * N, N);
     }
     _mm_setcsr(csr);
+  });
+  return out;
+}
+
+at::Tensor embedding_rows(const at::Tensor& table, const at::Tensor& ids, int64_t K, int64_t V) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "embedding_rows: ids must be a 1-D int64 tensor");
+  if (table.dim() == 2) {
+    TORCH_CHECK(table.size(1) == K, "embedding_rows: the table has rows of ", table.size(1), ", not K = ", K);
+    return table.index_select(0, ids);
+  }
+  TORCH_CHECK(table.dim() == 4 && table.size(2) == 16 && table.size(3) == 2 && table.size(1) == (K + 1) / 2 &&
+                  table.scalar_type() == at::kBFloat16 && table.is_contiguous(),
+              "embedding_rows: table must be [V, K] or pack_pairs of a bfloat16 [V, K] table with K = ", K);
+  const at::Tensor idx = ids.contiguous();
+  const int64_t T = idx.numel(), KP = table.size(1), padded = table.size(0) * 16;
+  TORCH_CHECK(V <= padded, "embedding_rows: V = ", V, " rows, but the packed table holds ", padded);
+  if (V < 0) V = padded;
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "embedding_rows: token id ", ip[t], " is out of range [0, ", V, ")");
+  auto out = at::empty({T, K}, table.options());
+  const uint16_t* wp = u16(table);
+  uint16_t* op = u16_mut(out);
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = ip[t];
+      const uint16_t* col = wp + (n / 16) * KP * 32 + (n % 16) * 2;  // pair p of row n at col + 32 p
+      uint16_t* row = op + t * K;
+      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(row + 2 * p, col + 32 * p, 4);
+      if (K % 2) row[K - 1] = col[32 * (KP - 1)];
+    }
   });
   return out;
 }

@@ -26,4 +26,10 @@ std::vector<int64_t> gemm_isas();
 at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
                 int64_t isa);
 
+// Rows `ids` [T] (int64) of an embedding table -> [T, K]: a row-major [V, K] table (index_select), or
+// the same table packed by `pack_pairs` (a tied model keeps only the logits head's packed copy; the
+// lookup gathers each row's pairs back, the same values). V: the packed table's rows (ids must be
+// below it; -1: every row of the padded blocks); ignored for a row-major table (its own rows).
+at::Tensor embedding_rows(const at::Tensor& table, const at::Tensor& ids, int64_t K, int64_t V);
+
 }  // namespace phalanx

@@ -1,7 +1,8 @@
 """Pre-packed bf16 linear layers for the CPU hot path.
 
-Owns: `PackedLinear` (a linear whose weight is packed once at load for the GEMM that serves it)
-and `prepack_linears`, which swaps a loaded module tree's bf16 `nn.Linear`s for it.
+Owns: `PackedLinear` (a linear whose weight is packed once at load for the GEMM that serves it),
+`prepack_linears`, which swaps a loaded module tree's bf16 `nn.Linear`s for it, and
+`PackedEmbedding` (a tied model's token lookup, reading the logits head's packed table).
 Does not own: the GEMM kernels (csrc/gemm.cpp, ``ops.cpu``), loading weights (the models pack after
 `load_weights`) or fp32 models (left as they are: their matmuls go through MKL, and packing them
 would change the fp32 parity paths).
@@ -16,8 +17,10 @@ and so its summation order change with the row count, and with the CPU (AMX tile
 so bf16 results are not batch-invariant there. On a CPU where oneDNN cannot pack bf16 weights
 (AVX2 without AVX512BW/VL/DQ) that path packs nothing: the layers stay `nn.Linear`.
 
-Either way the weight exists once: the packed copy replaces the dense one (a tied logits head is
-the exception: the embedding keeps its row-major table for the lookup, and the head packs a copy).
+Either way the weight exists once: the packed copy replaces the dense one. A tied model's embedding
+and logits head share one table: on the kernels' GEMM the head packs it and the lookup reads the
+packed pairs back (`PackedEmbedding`); on oneDNN's path (an opaque layout) the lookup keeps the
+row-major table and the head packs a copy.
 """
 
 from __future__ import annotations
@@ -101,3 +104,31 @@ def prepack_linears(module: nn.Module, isa: int | None = None) -> int:
                 setattr(parent, name, PackedLinear.from_linear(child, isa))
                 count += 1
     return count
+
+
+class PackedEmbedding(nn.Module):
+    """The token lookup of a tied model whose logits head is a `PackedLinear` on the kernels' GEMM:
+    it reads the head's packed table (``embedding_rows``: each row's pairs gathered back, the same
+    bf16 values as the row-major table), so the [V, H] table is held once. Takes what `nn.Embedding`
+    takes (integer ids of any shape) and returns [..., H]."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        if not head.isa:
+            raise ValueError("PackedEmbedding needs a head packed for the kernels' GEMM (isa 1 or 2), "
+                             f"got isa {head.isa} (oneDNN's layout cannot be read back)")
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self._head = (head,)  # not a submodule: the logits head owns the table
+        self._rows = cpu_ops.load(required=True).embedding_rows
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The packed table (`pack_pairs` layout), for the kernels that look rows up themselves."""
+        return self._head[0].packed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self._rows(self.table, input_ids.reshape(-1).long(), self.embedding_dim, self.num_embeddings)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, packed=True"

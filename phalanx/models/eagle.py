@@ -131,7 +131,7 @@ class _HeadBase(nn.Module):
             return None
         assert isinstance(logits_head, PackedLinear)
         cos_table, sin_table = parts.rotary.typed_tables(parts.ln2.dtype)
-        embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target[0].model.embed_tokens.weight
+        embed = self.embed_tokens.weight if self.embed_tokens is not None else self.target[0].embedding_table()
         return EagleChain(
             kernel=parts.kernel,
             embed=embed,

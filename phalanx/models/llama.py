@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.attention.torch_paged import attention_kernel, paged_attention
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import PackedEmbedding, PackedLinear, prepack_linears, prepack_supported
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.moe import SparseMoE
 from phalanx.layers.norm import RMSNorm
@@ -242,6 +242,12 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def embedding_table(self) -> torch.Tensor:
+        """The embedding table for the kernels' own lookups (``embedding_rows``): [V, H] row-major,
+        or the tied head's packed table once `prepack` shares it."""
+        embed = self.model.embed_tokens
+        return embed.table if isinstance(embed, PackedEmbedding) else embed.weight
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -288,7 +294,7 @@ class CausalLM(nn.Module):
         cos, sin = p.rotary.typed_tables(norm.weight.dtype)
         return ModelChain(
             kernel=p.kernel,
-            embed=self.model.embed_tokens.weight,
+            embed=self.embedding_table(),
             layers=[[f.ln1, f.parts.ln2, *f.parts.linears] for f in forms],  # type: ignore[union-attr]
             widths=p.widths,
             heads=p.heads,
@@ -333,7 +339,8 @@ class CausalLM(nn.Module):
     def prepack(self) -> None:
         """bf16 on CPU: pack every linear, the experts and the logits head once, after loading, all
         on one GEMM path (``layers.linear``; the kernels' batch-invariant GEMM by default). A tied
-        head packs a copy of the embedding (the lookup keeps the row-major table). No-op otherwise."""
+        head packs the embedding; on the kernels' GEMM the lookup then reads that packed table and
+        the row-major one is dropped (on oneDNN's path the lookup keeps it). No-op otherwise."""
         isa = cpu_ops.gemm_isa()
         if not prepack_supported(self.config.dtype, isa):
             return
@@ -343,6 +350,8 @@ class CausalLM(nn.Module):
                 module.prepack(isa)
         if self.lm_head is None:
             self.tied_head = PackedLinear(self.model.embed_tokens.weight, None, isa)
+            if self.tied_head.isa:
+                self.model.embed_tokens = PackedEmbedding(self.tied_head)
 
     # ---- checkpoint names -> parameters ---------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

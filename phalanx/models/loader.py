@@ -1,12 +1,16 @@
 """Reading checkpoint weights: safetensors (one file or sharded with an index) and GGUF files.
 
-Owns: finding the weight files of a Hugging Face folder and streaming (Hugging Face name, tensor)
-pairs from either format (GGUF tensors are dequantized and renamed by ``phalanx.gguf_file``).
+Owns: finding the weight files of a Hugging Face folder, streaming (Hugging Face name, tensor)
+pairs from either format (GGUF tensors are dequantized and renamed by ``phalanx.gguf_file``), and
+`release_load_buffers` (giving the heap that loading freed back to the OS).
 Does not own: name mapping to phalanx's parameters (each model's `load_weights`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,3 +46,25 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, f.get_tensor(name)
+
+
+@functools.cache
+def _libc_malloc_trim():  # noqa: ANN202
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+def release_load_buffers() -> bool:
+    """Return the heap that loading freed (dequantized / converted copies of every weight, packing
+    buffers) to the OS: glibc keeps freed chunks of its arenas mapped, ~100 MB for a 135M-parameter
+    GGUF, which would otherwise stay in the engine's resident set for its whole life. Call once
+    after the model (and drafter) are loaded, before the KV cache. False where the C library has no
+    ``malloc_trim``."""
+    trim = _libc_malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

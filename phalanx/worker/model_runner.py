@@ -26,6 +26,7 @@ from phalanx.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from phalanx.distributed.expert_parallel import install_expert_parallel
 from phalanx.distributed.group import DPGroup
 from phalanx.distributed.vote import StepPlan
+from phalanx.models.loader import release_load_buffers
 from phalanx.models.registry import load_model
 from phalanx.ops import cpu as cpu_ops
 from phalanx.sample.metadata import SamplingMetadata
@@ -104,6 +105,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         if cfg.speculative is not None:
             self.proposer = build_proposer(cfg.speculative, self.model, cfg.model, self.expert_shard, group)
+        release_load_buffers()  # the heap that loading freed goes back to the OS, not into the KV cache's RSS
         target_specs = target_layer_specs(cfg.model)
         draft_specs = self.proposer.kv_cache_spec() if self.proposer is not None else []
         self.num_lookahead_slots = self.proposer.num_lookahead_slots if self.proposer is not None else 0

@@ -152,18 +152,22 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
 @needs_kernels
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("num_seqs,prompt_len", [(1, 5), (3, 5), (2, 20), (6, None)])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_drafting_chain_drafts_and_writes_what_the_passes_do(method: str, num_seqs: int, prompt_len: int | None,
-                                                          tmp_path: Path) -> None:
+                                                          tied: bool, tmp_path: Path) -> None:
     """The C++ drafting chains (EAGLE heads, draft models) against pass by pass: the same drafts at
     every step and the same drafter KV cache at the end wherever pass by pass wrote it (near
     max_tokens requests draft fewer tokens than the others; a chain drafts the deepest length for
     every row and also fills the positions past a shorter request's drafts, which the next
     catch-up overwrites before anything reads them). Requests feeding the same number of
     positions run all k passes in one call (pass 1 over the [R, q] grid, prompts included);
-    otherwise pass 1 runs in Python and passes 2..k in one call."""
-    target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160)
+    otherwise pass 1 runs in Python and passes 2..k in one call. Tied models (target and draft model)
+    look their tokens up in the logits head's packed table, in the chains too."""
+    target = make_model("LlamaForCausalLM", tmp_path / "m", hidden_size=128, intermediate_size=160,
+                        tie_word_embeddings=tied)
     if method == "draft_model":  # a 2-layer dense draft model: every layer and the final norm chained
-        head = make_model("LlamaForCausalLM", tmp_path / "draft", seed=3, hidden_size=64, intermediate_size=96)
+        head = make_model("LlamaForCausalLM", tmp_path / "draft", seed=3, hidden_size=64, intermediate_size=96,
+                          tie_word_embeddings=tied)
     else:
         head = make_eagle_head(target, tmp_path / "eagle", method)
     same_length = prompt_len is not None  # 20: a grid past the decode group's 16-token queries

@@ -147,6 +147,31 @@ def test_gemm_refuses_mismatched_inputs() -> None:
     assert module.gemm(torch.randn(0, 16).bfloat16(), packed, 32, None, isa).shape == (0, 32)
 
 
+def test_embedding_rows_reads_a_packed_table_back() -> None:
+    """A tied model's token lookup reads the logits head's packed table: the same rows as the
+    row-major table (odd K, a vocabulary that does not fill its last block of 16), ids checked
+    against the real row count, not the padded one."""
+    module = _kernel()
+    g = torch.Generator().manual_seed(5)
+    for v, k in ((49, 577), (16, 64), (1, 1), (300, 2)):
+        table = torch.randn(v, k, generator=g).bfloat16()
+        packed = module.pack_pairs(table)
+        ids = torch.cat([torch.tensor([0, v - 1]), torch.randint(0, v, (29,), generator=g)])
+        assert torch.equal(module.embedding_rows(packed, ids, k, v), table[ids])
+        assert torch.equal(module.embedding_rows(table, ids, k, v), table[ids])
+        assert module.embedding_rows(packed, ids[:0], k, v).shape == (0, k)
+    packed = module.pack_pairs(torch.randn(49, 8).bfloat16())
+    for bad in (49, 63, -1):  # 49..63 are the last block's zero padding: still out of range
+        with pytest.raises(RuntimeError, match=f"token id {bad} is out of range \\[0, 49\\)"):
+            module.embedding_rows(packed, torch.tensor([3, bad]), 8, 49)
+    with pytest.raises(RuntimeError, match="ids must be a 1-D int64 tensor"):
+        module.embedding_rows(packed, torch.tensor([3], dtype=torch.int32), 8, 49)
+    with pytest.raises(RuntimeError, match="pack_pairs of a bfloat16 \\[V, K\\] table with K = 10"):
+        module.embedding_rows(packed, torch.tensor([3]), 10, 49)
+    with pytest.raises(RuntimeError, match="V = 65 rows, but the packed table holds 64"):
+        module.embedding_rows(packed, torch.tensor([3]), 8, 65)
+
+
 def test_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """PHALANX_CPU_ISA caps the GEMM path (auto: the best this build has); onednn selects oneDNN;
     with the kernels off there is no GEMM path at all."""

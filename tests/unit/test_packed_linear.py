@@ -7,6 +7,7 @@ on the same path, with logits close to the same model on plain `F.linear`."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,13 @@ from torch import nn
 
 from phalanx import LLM, SamplingParams
 from phalanx.layers import linear as linear_module
-from phalanx.layers.linear import PackedLinear, onednn_bf16_supported, prepack_linears, prepack_supported
+from phalanx.layers.linear import (
+    PackedEmbedding,
+    PackedLinear,
+    onednn_bf16_supported,
+    prepack_linears,
+    prepack_supported,
+)
 from phalanx.layers.moe import SparseMoE
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
@@ -112,22 +119,23 @@ def _linears(model: nn.Module) -> list[PackedLinear]:
     return [m for m in model.modules() if isinstance(m, PackedLinear)]
 
 
-def _plain_logits(folder: Path, hidden: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    """The same checkpoint loaded without packing: logits from F.linear on the dense weights."""
+def _plain_model(folder: Path, monkeypatch: pytest.MonkeyPatch) -> CausalLM:
+    """The same checkpoint loaded without packing (logits from F.linear on the dense weights)."""
     with monkeypatch.context() as m:
         m.setattr(CausalLM, "prepack", lambda self: None)
         plain = LLM(str(folder), dtype="bfloat16").engine.runner.model
     assert plain.tied_head is None and not _linears(plain)
-    return plain.compute_logits(hidden, float32=False)
+    return plain
 
 
 @pytest.mark.parametrize("arch,tied", [("LlamaForCausalLM", True), ("LlamaForCausalLM", False),
                                        ("MixtralForCausalLM", False), ("Qwen2MoeForCausalLM", True)])
 def test_a_loaded_model_runs_every_linear_on_one_path(arch: str, tied: bool, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dense layers, the logits head (tied: the embedding packed as the head, no lm_head), the MoE
-    router, experts and shared expert all packed on the GEMM path; the logits of the whole model stay
-    close to the plain model's (another summation order: not bitwise)."""
+    """Dense layers, the logits head (tied: the embedding packed as the head, no lm_head, and the
+    lookup reading that packed table: no second copy), the MoE router, experts and shared expert all
+    packed on the GEMM path; the logits of the whole model stay close to the plain model's (another
+    summation order: not bitwise)."""
     isa = _gemm_path()
     folder = make_model(arch, tmp_path / "m", num_hidden_layers=2, tie_word_embeddings=tied)
     model = LLM(str(folder), dtype="bfloat16").engine.runner.model
@@ -143,10 +151,25 @@ def test_a_loaded_model_runs_every_linear_on_one_path(arch: str, tied: bool, tmp
         assert all(isinstance(m.gate, PackedLinear) for m in moes)
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
     got = model.compute_logits(hidden, float32=False)
-    torch.testing.assert_close(got.float(), _plain_logits(folder, hidden, monkeypatch).float(), atol=0.1, rtol=3e-2)
-    if tied:  # the tied head is the embedding: its logits are hidden @ embed^T
-        want = F.linear(hidden, model.model.embed_tokens.weight)
-        torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=3e-2)
+    plain = _plain_model(folder, monkeypatch)
+    torch.testing.assert_close(got.float(), plain.compute_logits(hidden, float32=False).float(), atol=0.1, rtol=3e-2)
+    table = plain.model.embed_tokens.weight
+    ids = torch.tensor([[0, 7, table.shape[0] - 1], [3, 3, 1]])
+    assert torch.equal(model.embed(ids), table[ids])  # the lookup: the same rows, bit for bit
+    if tied:  # the tied head is the embedding: its logits are hidden @ embed^T; the table is held once
+        torch.testing.assert_close(got.float(), F.linear(hidden, table).float(), atol=0.1, rtol=3e-2)
+        assert isinstance(model.model.embed_tokens, PackedEmbedding)
+        assert not list(model.model.embed_tokens.parameters())
+        assert model.embedding_table() is model.tied_head.packed
+        with pytest.raises(RuntimeError, match=f"token id {table.shape[0]} is out of range"):
+            model.embed(torch.tensor([table.shape[0]]))
+
+
+def test_a_packed_embedding_needs_the_kernels_layout() -> None:
+    """oneDNN's packed layout (path 0) cannot be read back: a tied model on it keeps its table."""
+    head = SimpleNamespace(isa=0, out_features=8, in_features=4)
+    with pytest.raises(ValueError, match="needs a head packed for the kernels' GEMM .*got isa 0"):
+        PackedEmbedding(head)  # type: ignore[arg-type]
 
 
 def test_an_eagle_head_packs_on_the_targets_path(tmp_path: Path) -> None:

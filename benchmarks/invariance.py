@@ -153,7 +153,7 @@ def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
     # AVX512BW/VL/DQ) the float32 matmul (MKL) of a float32 model
     onednn = onednn_bf16_supported()
     base = "oneDNN" if onednn else "float32 MKL"
-    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, us per call ({base} / GEMM = ratio)\n")
+    print(f"\n{Path(model).name}, {torch.get_num_threads()} threads, {clock}, us per call ({base} / GEMM = the GEMM's time as a share of {base}'s)\n")
     print("| layer (N x K) | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     for name, n, k in model_shapes(model):

@@ -309,10 +309,9 @@ inline __m128i to_bf16_avx2(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // lanes 0 and 2
 }
 
-// 8 bf16 -> 8 float32 (exact)
-inline __m256 load8_ps(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
+// 8 bf16 (bits in a register) -> 8 float32 (exact)
+inline __m256 bf16_to_ps8(__m128i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)); }
+inline __m256 load8_ps(const uint16_t* p) { return bf16_to_ps8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }

@@ -93,7 +93,7 @@ at::Tensor silu_mul(at::Tensor x) {
         for (int h = 0; h < 16; h += 8) {
           const __m256 gf = load8_ps(g + d + h), uf = load8_ps(u + d + h);
           const __m256 silu = _mm256_div_ps(gf, _mm256_add_ps(one, exp_ps8(_mm256_sub_ps(_mm256_setzero_ps(), gf))));
-          const __m256 sf = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_avx2(silu)), 16));
+          const __m256 sf = bf16_to_ps8(to_bf16_avx2(silu));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(o + d + h), to_bf16_avx2(_mm256_mul_ps(sf, uf)));
         }
 #endif

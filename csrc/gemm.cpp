@@ -26,8 +26,6 @@
 #include <ATen/ops/zeros.h>
 #include <xmmintrin.h>
 
-#include <cstdlib>
-
 #include "common.h"
 #include "gemm.h"
 
@@ -150,35 +148,28 @@ void split_pairs(const uint16_t* x, int64_t M, int64_t K, float* xs) {
   });
 }
 
-// A thread's buffer for split_panel, 64-byte aligned, kept between calls (grown, never shrunk).
-struct PanelBuffer {
-  float* data = nullptr;
-  size_t size = 0;
-  PanelBuffer() = default;
-  PanelBuffer(const PanelBuffer&) = delete;
-  PanelBuffer& operator=(const PanelBuffer&) = delete;
-  ~PanelBuffer() { std::free(data); }
-  float* get(size_t n) {
-    if (n > size) {
-      std::free(data);
-      data = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
-      TORCH_CHECK(data != nullptr, "gemm: cannot allocate a ", n * sizeof(float), "-byte weight panel");
-      size = n;
-    }
-    return data;
-  }
+// 8 columns' pairs (32-bit words: odd << 16 | even) -> their even and odd elements as float32 (exact).
+inline void unpack_pairs(const uint16_t* words, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// One pair of a block's panel split by split_panel: the odd elements of columns 0-7 and 8-15, then
+// the even ones (32-byte aligned, so a std::vector of them is too).
+struct alignas(32) SplitPair {
+  float v[32];
 };
 
 // A block's weight panel split once into float32 for a chunk of many rows (each of its tiles then
-// loads the halves instead of unpacking the pairs again): per pair p, 32 floats — the odd elements
-// of columns 0-7 and 8-15, then the even ones.
-void split_panel(const uint16_t* wb, int64_t KP, float* out) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+// loads the halves instead of unpacking the pairs again).
+void split_panel(const uint16_t* wb, int64_t KP, SplitPair* out) {
   for (int64_t p = 0; p < KP; ++p)
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
-      _mm256_store_ps(out + p * 32 + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
-      _mm256_store_ps(out + p * 32 + 16 + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      __m256 even, odd;
+      unpack_pairs(wb + p * 32 + 16 * h, even, odd);
+      _mm256_store_ps(out[p].v + 8 * h, odd);
+      _mm256_store_ps(out[p].v + 16 + 8 * h, even);
     }
 }
 
@@ -187,24 +178,21 @@ void split_panel(const uint16_t* wb, int64_t KP, float* out) {
 // split_pairs (odd, even per pair). The block's weights: packed pairs (w, kSplit false) or the
 // panel from split_panel (wf, kSplit true); the same values, so the same bits.
 template <int MR, bool kSplit>
-inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, const float* wf, int64_t nb, const float* bias,
-                      uint16_t* y, int64_t N) {
+inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, const SplitPair* wf, int64_t nb,
+                      const float* bias, uint16_t* y, int64_t N) {
   __m256 acc[MR][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const uint16_t* wb = w + nb * KP * 32;
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p < KP; ++p) {
     __m256 even[2], odd[2];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // 8 columns x (even, odd) as 32-bit words (odd << 16 | even)
       if constexpr (kSplit) {
-        odd[h] = _mm256_load_ps(wf + p * 32 + 8 * h);
-        even[h] = _mm256_load_ps(wf + p * 32 + 16 + 8 * h);
+        odd[h] = _mm256_load_ps(wf[p].v + 8 * h);
+        even[h] = _mm256_load_ps(wf[p].v + 16 + 8 * h);
       } else {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 16 * h));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        unpack_pairs(wb + p * 32 + 16 * h, even[h], odd[h]);
       }
     }
 #pragma GCC unroll 8
@@ -229,7 +217,7 @@ inline void tile_avx2(const float* xs, int64_t KP, const uint16_t* w, const floa
 }
 
 template <int MR, bool kSplit>
-void rows_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, const float* wf, int64_t nb,
+void rows_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, const SplitPair* wf, int64_t nb,
                const float* bias, uint16_t* y, int64_t N) {
   for (int64_t m0 = 0; m0 < M; m0 += MR) {
     const float* xm = xs + m0 * KP * 2;
@@ -253,11 +241,11 @@ void run_avx2(const float* xs, int64_t M, int64_t KP, const uint16_t* w, int64_t
     for (int64_t nb = nb0; nb < nb1; ++nb) rows_avx2<MR, false>(xs, M, KP, w, nullptr, nb, bias, y, N);
     return;
   }
-  thread_local PanelBuffer panel;
-  float* wf = panel.get(KP * 32);
+  thread_local std::vector<SplitPair> panel;  // this thread's, kept between calls (grown, never shrunk)
+  if (panel.size() < static_cast<size_t>(KP)) panel.resize(KP);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    split_panel(w + nb * KP * 32, KP, wf);
-    rows_avx2<MR, true>(xs, M, KP, w, wf, nb, bias, y, N);
+    split_panel(w + nb * KP * 32, KP, panel.data());
+    rows_avx2<MR, true>(xs, M, KP, w, panel.data(), nb, bias, y, N);
   }
 }
 #else

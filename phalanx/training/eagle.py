@@ -317,7 +317,7 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
                 progress: bool) -> TrainResult:
     from phalanx.training.features import BatchStream, FeatureShards, steps_per_epoch
     from phalanx.training.head import EagleHead, head_config
-    from phalanx.training.loop import LoopConfig, TrainLoop, load_checkpoint, save_checkpoint
+    from phalanx.training.loop import LoopConfig, TrainLoop, bf16_autocast_fast, load_checkpoint, save_checkpoint
     from phalanx.training.objective import LossStats, Objective
 
     torch.manual_seed(cfg.seed)
@@ -367,9 +367,10 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
             work.checkpoint.unlink()
             work.file("validation.jsonl").unlink(missing_ok=True)
     nparams = sum(p.numel() for p in head.parameters())
+    precision = "bfloat16 autocast" if bf16_autocast_fast() else "float32: this CPU has no fast bf16 matmul"
     _say(f"train: {cfg.method} head, {nparams / 1e6:.2f}M parameters, {shards.num_sequences} sequences / "
          f"{shards.num_tokens} tokens, {per_epoch} batches per epoch, {steps} steps (lr {cfg.lr}, warm-up {warmup}, "
-         f"{cfg.passes} passes, {cfg.label_kind} labels)")
+         f"{cfg.passes} passes, {cfg.label_kind} labels, {precision})")
     val_stream, val_batches = None, 0
     if val_shards:
         val_stream = BatchStream(FeatureShards.open(val_shards), cfg.batch_tokens, 1, 0, cfg.max_len, aux=eagle3)
@@ -410,8 +411,8 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
     head.eval()
     return TrainResult(head, hcfg, steps, state.seconds, last_val,
                        {"train": state.train_curve, "val": state.val_curve}, vocab, fc_lr_scale,
-                       {"params": nparams, "batches_per_epoch": per_epoch, "warmup": warmup,
-                        "sequences": shards.num_sequences, "tokens": shards.num_tokens})
+                       {"params": nparams, "precision": precision.split(":")[0], "batches_per_epoch": per_epoch,
+                        "warmup": warmup, "sequences": shards.num_sequences, "tokens": shards.num_tokens})
 
 
 def engine_acceptance(target: str, head_folder: str, method: str, convs: list[Conversation], k: int,

@@ -73,7 +73,6 @@ void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* con
 // held as two 8-lane halves, the same transpose-and-add tree over a key's 16 lanes (reduce16), the
 // same softmax_row, and the same FMA per key in the value pass.
 constexpr unsigned kDazFtz = 0x8040;  // MXCSR: denormals are zero (bit 6), flush to zero (bit 15)
-constexpr int64_t kKeyChunk = 256;    // keys whose 16 lane sums are computed under DAZ / FTZ at a time
 
 // Lane j of 16 key vectors (lanes[j][0..15]) -> their sums, reduce16's tree: per 128-bit quarter
 // L, S_L = (x[4L] + x[4L+2]) + (x[4L+1] + x[4L+3]); the sum = (S_0 + S_1) + (S_2 + S_3).
@@ -94,79 +93,126 @@ inline void reduce16_avx2(const float (*lanes)[16], float scale, float* out) {
   }
 }
 
+// 8 floats on a 32-byte boundary: the unit of the task's unpacked queries, values and accumulators.
+struct alignas(32) F8 {
+  float v[8];
+};
+
+constexpr int kRowTile = 4;         // query rows whose scores one pass over a key block computes
+constexpr int64_t kKeyBlock = 64;   // keys per block of the score pass (the tile's lane sums: 16 KB)
+
+// Lane sums of R query rows against the keys k[0 .. padded) (lanes[i * kKeyBlock + j][0..15]: row
+// i, key j; the score pass reduces them). Each row's queries come as float32 halves, 4 vectors per
+// 32-element chunk c (qf[i][4c + h]: odd elements of half h, qf[i][4c + 2 + h]: even ones); every
+// key is unpacked once for all R rows, and each row's two accumulators take the same FMAs in the same
+// order as the one-row loop (per chunk: the odd element, then the even one).
+template <int ND, int R>
+inline void score_tile_avx2(const F8* const* qf, const c10::BFloat16* const* k, int64_t n, int64_t padded,
+                            float (*lanes)[16]) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t j = 0; j < padded; ++j) {
+    const c10::BFloat16* kj = k[std::min<int64_t>(j, n - 1)];  // past n: a repeat, unused
+    __m256 a[R][2];
+    for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    for (int c = 0; c < ND; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kj + 32 * c + 16 * h));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int i = 0; i < R; ++i) a[i][h] = _mm256_fmadd_ps(_mm256_load_ps(qf[i][4 * c + h].v), odd, a[i][h]);
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        for (int i = 0; i < R; ++i) a[i][h] = _mm256_fmadd_ps(_mm256_load_ps(qf[i][4 * c + 2 + h].v), even, a[i][h]);
+      }
+    for (int i = 0; i < R; ++i) {
+      _mm256_store_ps(lanes[i * kKeyBlock + j], a[i][0]);
+      _mm256_store_ps(lanes[i * kKeyBlock + j] + 8, a[i][1]);
+    }
+  }
+}
+
+// acc[0 .. W) += p_l * v_l for the keys l of one value block a row sees, one FMA per key in key order
+// (vals: the block's keys as float32, `stride` vectors apart).
+template <int W>
+inline void value_slice_avx2(F8* acc, const F8* vals, int64_t stride, const float* p, int64_t n) {
+  __m256 a[W];
+  for (int c = 0; c < W; ++c) a[c] = _mm256_load_ps(acc[c].v);
+  for (int64_t l = 0; l < n; ++l) {
+    const __m256 pl = _mm256_set1_ps(p[l]);
+    for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(pl, _mm256_load_ps(vals[l * stride + c].v), a[c]);
+  }
+  for (int c = 0; c < W; ++c) _mm256_store_ps(acc[c].v, a[c]);
+}
+
 template <int NV, typename O>
 void decode_task_bf16(const c10::BFloat16* const* qrow, const c10::BFloat16* const* krow,
                       const c10::BFloat16* const* vrow, const int64_t* limit, int64_t rows, int64_t len,
                       float scale, float* scores, O* const* orow) {
-  constexpr int ND = NV / 2;  // 32-element chunks per head
-  constexpr int RT = 2;       // query rows per register tile in the value pass
+  constexpr int ND = NV / 2;       // 32-element chunks per head
+  constexpr int64_t DV = 2 * NV;   // 8-float vectors per head
+  constexpr int64_t kValueBlock = 256 / NV;  // keys per block of the value pass (16 KB as float32)
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const unsigned csr = _mm_getcsr();
-  alignas(32) float lanes[kKeyChunk][16];
-  for (int64_t r = 0; r < rows; ++r) {
-    __m256 qo[ND][2], qe[ND][2];  // the row's odd / even elements, as float32 in the pair lanes
+  thread_local std::vector<F8> qbuf, vbuf, acc;  // this thread's, kept between calls (grown, never shrunk)
+  qbuf.resize(rows * 4 * ND);
+  for (int64_t r = 0; r < rows; ++r)
     for (int c = 0; c < ND; ++c)
       for (int h = 0; h < 2; ++h) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qrow[r] + 32 * c + 16 * h));
-        qo[c][h] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-        qe[c][h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        _mm256_store_ps(qbuf[(r * ND + c) * 4 + h].v, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
+        _mm256_store_ps(qbuf[(r * ND + c) * 4 + 2 + h].v, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
       }
-    float* srow = scores + r * len;
-    for (int64_t c0 = 0; c0 < limit[r]; c0 += kKeyChunk) {
-      const int64_t cn = std::min<int64_t>(kKeyChunk, limit[r] - c0), padded = (cn + 15) / 16 * 16;
+  // scores: kRowTile rows x kKeyBlock keys at a time, the lane sums under DAZ / FTZ (as VDPBF16PS),
+  // then each key's reduce16 tree and the scale in the normal mode
+  alignas(32) float lanes[kRowTile * kKeyBlock][16];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+    int64_t tile_len = 0;
+    for (int i = 0; i < nr; ++i) tile_len = std::max(tile_len, limit[r0 + i]);
+    const F8* qf[kRowTile];
+    for (int i = 0; i < nr; ++i) qf[i] = qbuf.data() + (r0 + i) * 4 * ND;
+    for (int64_t c0 = 0; c0 < tile_len; c0 += kKeyBlock) {
+      const int64_t cn = std::min<int64_t>(kKeyBlock, tile_len - c0), padded = (cn + 15) / 16 * 16;
       _mm_setcsr(csr | kDazFtz);
-      for (int64_t j = 0; j < padded; ++j) {
-        const c10::BFloat16* k = krow[c0 + std::min<int64_t>(j, cn - 1)];  // past cn: a repeat, unused
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int c = 0; c < ND; ++c) {
-          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c));
-          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c + 16));
-          a0 = _mm256_fmadd_ps(qo[c][0], _mm256_castsi256_ps(_mm256_and_si256(w0, high)), a0);
-          a1 = _mm256_fmadd_ps(qo[c][1], _mm256_castsi256_ps(_mm256_and_si256(w1, high)), a1);
-          a0 = _mm256_fmadd_ps(qe[c][0], _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), a0);
-          a1 = _mm256_fmadd_ps(qe[c][1], _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), a1);
-        }
-        _mm256_store_ps(lanes[j], a0);
-        _mm256_store_ps(lanes[j] + 8, a1);
+      switch (nr) {
+        case 4: score_tile_avx2<ND, 4>(qf, krow + c0, cn, padded, lanes); break;
+        case 3: score_tile_avx2<ND, 3>(qf, krow + c0, cn, padded, lanes); break;
+        case 2: score_tile_avx2<ND, 2>(qf, krow + c0, cn, padded, lanes); break;
+        default: score_tile_avx2<ND, 1>(qf, krow + c0, cn, padded, lanes); break;
       }
       _mm_setcsr(csr);
-      for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-        alignas(16) float sums[16];
-        reduce16_avx2(lanes + j0, scale, sums);
-        std::memcpy(srow + c0 + j0, sums, std::min<int64_t>(16, cn - j0) * sizeof(float));
-      }
-    }
-    softmax_row(srow, limit[r]);
-  }
-  // out[r] = sum_l p[r, l] * v_l, one FMA per key in key order for every element; 32 elements (four
-  // 8-lane accumulators) of RT rows at a time
-  for (int64_t r0 = 0; r0 < rows; r0 += RT) {
-    const int64_t nr = std::min<int64_t>(RT, rows - r0);
-    int64_t tile_len = 0;
-    for (int64_t i = 0; i < nr; ++i) tile_len = std::max(tile_len, limit[r0 + i]);
-    for (int s = 0; s < ND; ++s) {
-      __m256 acc[RT][4];
-      for (int i = 0; i < RT; ++i)
-        for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
-      for (int64_t l = 0; l < tile_len; ++l) {
-        __m256 vf[4];
-        for (int c = 0; c < 4; ++c) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow[l] + 32 * s + 8 * c));
-          vf[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-        }
-        for (int i = 0; i < RT; ++i) {
-          if (i >= nr || l >= limit[r0 + i]) continue;  // a key this row does not see: no term at all
-          const __m256 p = _mm256_set1_ps(scores[(r0 + i) * len + l]);
-          for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_fmadd_ps(p, vf[c], acc[i][c]);
-        }
-      }
       for (int i = 0; i < nr; ++i) {
-        alignas(32) float tmp[32];
-        for (int c = 0; c < 4; ++c) _mm256_store_ps(tmp + 8 * c, acc[i][c]);
-        from_float(tmp, orow[r0 + i] + 32 * s, 32);
+        const int64_t seen = std::min<int64_t>(cn, limit[r0 + i] - c0);  // keys of this block the row sees
+        float* srow = scores + (r0 + i) * len + c0;
+        int64_t j0 = 0;
+        for (; j0 + 16 <= seen; j0 += 16) reduce16_avx2(lanes + i * kKeyBlock + j0, scale, srow + j0);
+        if (j0 < seen) {  // a last group of fewer than 16 keys: its sums past `seen` are not the row's
+          alignas(16) float sums[16];
+          reduce16_avx2(lanes + i * kKeyBlock + j0, scale, sums);
+          for (int64_t j = j0; j < seen; ++j) srow[j] = sums[j - j0];
+        }
       }
     }
   }
+  for (int64_t r = 0; r < rows; ++r) softmax_row(scores + r * len, limit[r]);
+  // out[r] = sum_l p[r, l] * v_l, one FMA per key in key order for every element: the values
+  // unpacked to float32 a block at a time, each row's accumulators carried from block to block
+  acc.assign(rows * DV, F8{});
+  vbuf.resize(kValueBlock * DV);
+  for (int64_t l0 = 0; l0 < len; l0 += kValueBlock) {
+    const int64_t ln = std::min<int64_t>(kValueBlock, len - l0);
+    for (int64_t j = 0; j < ln; ++j)
+      for (int64_t c = 0; c < DV; ++c)
+        _mm256_store_ps(vbuf[j * DV + c].v, load8_ps(reinterpret_cast<const uint16_t*>(vrow[l0 + j]) + 8 * c));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = std::min<int64_t>(limit[r], l0 + ln) - l0;  // keys of this block the row sees
+      if (n <= 0) continue;
+      const float* p = scores + r * len + l0;
+      F8* a = acc.data() + r * DV;
+      int64_t c = 0;
+      for (; c + 8 <= DV; c += 8) value_slice_avx2<8>(a + c, vbuf.data() + c, DV, p, n);
+      if (c < DV) value_slice_avx2<4>(a + c, vbuf.data() + c, DV, p, n);  // DV is a multiple of 4
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) from_float(acc[r * DV].v, orow[r], 16 * NV);
 }
 #else
 template <int NV, typename O>

@@ -192,12 +192,12 @@ def _attention_kernel_builds(kernel) -> list:
 
 
 @pytest.mark.parametrize("head_dim,max_len,qlen,group", [(64, 70, 3, 3), (32, 300, 1, 2), (128, 40, 2, 1),
-                                                         (96, 33, 1, 4), (64, 530, 1, 1)])
+                                                         (96, 33, 1, 4), (64, 530, 1, 1), (64, 150, 5, 3)])
 def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len, qlen, group) -> None:
     """The register-tiled bf16 task on AVX2 + FMA computes VDPBF16PS's pair steps under DAZ / FTZ, the
     same 16-lane tree, softmax and per-key FMAs as the AVX512-BF16 task: the numpy model of that order
-    (above) gives its float32 result (`decode_attention_f32`) bit for bit, across 16-key blocks,
-    256-key chunks and a masked tail.
+    (above) gives its float32 result (`decode_attention_f32`) bit for bit, across 16-key groups,
+    64-key blocks, 4-row tiles and their remainders, value blocks and a masked tail.
     Checked on every AVX2 build this CPU can run (an AVX512-BF16 CPU also runs the haswell build)."""
     q, cache, table, visible = _case(11 + head_dim, seqs=2, qlen=qlen, kvh=2, group=group, head_dim=head_dim,
                                      block_size=16, max_len=max_len, dtype=torch.bfloat16)

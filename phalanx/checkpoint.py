@@ -273,9 +273,10 @@ def tokenizer_path(path: str | os.PathLike[str]) -> str:
 
 
 def gguf_conversion(path: str | os.PathLike[str]) -> Path:
-    """A cached folder with the Hugging Face config.json and tokenizer of GGUF `path`, converted from
-    its metadata by transformers' GGUF utilities the first time (~15 s for SmolLM2's 49k-token
-    vocabulary) and reused while the file is unchanged (keyed by path, size and mtime).
+    """A cached folder with the Hugging Face config.json and tokenizer of GGUF `path` and its tensor
+    index (``gguf_file.TENSOR_INDEX``), converted from its metadata by transformers' GGUF utilities
+    and the gguf reader the first time (~15 s for SmolLM2's 49k-token vocabulary) and reused while
+    the file is unchanged (keyed by path, size and mtime).
 
     transformers' GGUF utilities import torch: a process that has not imported torch (the API
     server, which never does) converts in a child process, with the same errors."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from phalanx.checkpoint import hf_config, is_gguf
+from phalanx.checkpoint import gguf_conversion, hf_config, is_gguf
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -38,9 +38,9 @@ def weight_files(folder: str | Path) -> list[Path]:
 
 def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     if is_gguf(path):
-        from phalanx.gguf_file import iterate_gguf_weights
+        from phalanx.gguf_file import TENSOR_INDEX, iterate_gguf_weights
 
-        yield from iterate_gguf_weights(path, hf_config(path))
+        yield from iterate_gguf_weights(path, hf_config(path), gguf_conversion(path) / TENSOR_INDEX)
         return
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:

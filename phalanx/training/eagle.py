@@ -317,7 +317,13 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
                 progress: bool) -> TrainResult:
     from phalanx.training.features import BatchStream, FeatureShards, steps_per_epoch
     from phalanx.training.head import EagleHead, head_config
-    from phalanx.training.loop import LoopConfig, TrainLoop, bf16_autocast_fast, load_checkpoint, save_checkpoint
+    from phalanx.training.loop import (
+        LoopConfig,
+        TrainLoop,
+        bf16_autocast_fast,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from phalanx.training.objective import LossStats, Objective
 
     torch.manual_seed(cfg.seed)

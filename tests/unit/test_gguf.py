@@ -124,6 +124,45 @@ def test_conversion_is_cached_and_keyed_by_the_file(tmp_path: Path) -> None:
     assert gguf_conversion(gguf_path) != first
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "BF16", "F16", "Q4_K"])
+def test_tensor_index_maps_what_the_reader_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
+    """The conversion records where each tensor's data lies; a load maps the tensors from the index
+    (the header is not parsed again) to bitwise the reader's weights. A cache without the index (an
+    older one) is read through the reader once and gains it."""
+    import torch
+
+    from phalanx import gguf_file
+    from phalanx.checkpoint import hf_config
+
+    hf = _model(tmp_path, "LlamaForCausalLM", hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                num_key_value_heads=2)
+    gguf_path, _ = write_gguf(hf, "LlamaForCausalLM", qtype, tmp_path / "gguf")
+    index = gguf_conversion(gguf_path) / gguf_file.TENSOR_INDEX
+    assert index.is_file()
+    cfg = hf_config(gguf_path)
+    by_reader = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg))
+    with monkeypatch.context() as m:
+        m.setattr(gguf_file, "_reader", lambda path: pytest.fail("the header was parsed again"))
+        by_index = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg, index))
+    assert by_index.keys() == by_reader.keys()
+    assert all(torch.equal(by_index[k], by_reader[k]) for k in by_reader)
+    index.unlink()
+    again = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg, index))
+    assert index.is_file() and all(torch.equal(again[k], by_reader[k]) for k in by_reader)
+
+
+def test_a_file_shorter_than_its_index_is_a_clear_error(tmp_path: Path) -> None:
+    from phalanx import gguf_file
+    from phalanx.checkpoint import hf_config
+
+    gguf_path, _ = write_gguf(_model(tmp_path, "LlamaForCausalLM"), "LlamaForCausalLM", "Q8_0", tmp_path / "gguf")
+    index, cfg = gguf_conversion(gguf_path) / gguf_file.TENSOR_INDEX, hf_config(gguf_path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[: gguf_path.stat().st_size - 100])
+    with pytest.raises(GGUFError, match="cut.gguf.*past the end of the file.*truncated"):
+        list(gguf_file.iterate_gguf_weights(cut, cfg, index))
+
+
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
     """llama.cpp stores Llama-3.1 rope scaling as a rope_freqs tensor; it becomes the llama3 config
     and gives the twin's (HF llama3-scaled) outputs."""

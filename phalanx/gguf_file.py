@@ -23,8 +23,10 @@ included: ~2.8 s of each load).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,7 +194,7 @@ def write_tensor_index(reader: Any, dest: Path) -> None:
     builds it). Written to a temporary file and renamed into place."""
     entries = [{"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset),
                 "dtype": t.data.dtype.str, "shape": [int(n) for n in t.data.shape]} for t in reader.tensors]
-    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")  # ranks loading at once each write their own
     tmp.write_text(json.dumps({"version": 1, "tensors": entries}))
     tmp.replace(dest)
 
@@ -234,7 +236,8 @@ def iterate_gguf_weights(path: str | Path, config: dict[str, Any],
         raw_arch = raw_arch or _field(reader, "general.architecture")
         tensors = [(t.name, t.tensor_type, t.data) for t in reader.tensors]
         if index is not None:
-            write_tensor_index(reader, index)
+            with contextlib.suppress(OSError):  # a read-only cache: the next load parses the header again
+                write_tensor_index(reader, index)
     processor = TENSOR_PROCESSORS.get(raw_arch, TensorProcessor)(config=config)
     names = gguf_to_hf_names(config)
     for name, tensor_type, data in tensors:

@@ -199,12 +199,19 @@ def write_tensor_index(reader: Any, dest: Path) -> None:
     tmp.replace(dest)
 
 
-def _indexed_tensors(path: Path, index: Path) -> list[tuple[str, Any, Any]]:
-    """(name, GGML type, raw data) of every tensor, mapped from the file at the offsets of `index`."""
+def _indexed_tensors(path: Path, index: Path) -> list[tuple[str, Any, Any]] | None:
+    """(name, GGML type, raw data) of every tensor, mapped from the file at the offsets of `index`;
+    None when the index cannot be read (the caller parses the file instead)."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
-    entries = json.loads(index.read_text())["tensors"]
+    try:
+        blob = json.loads(index.read_text())
+        entries = blob["tensors"] if blob.get("version") == 1 else None
+    except (OSError, ValueError, KeyError, AttributeError):
+        entries = None
+    if entries is None:
+        return None
     data = np.memmap(path, mode="r")
     out = []
     for e in entries:
@@ -229,9 +236,8 @@ def iterate_gguf_weights(path: str | Path, config: dict[str, Any],
 
     path = Path(path)
     raw_arch = config.get("gguf", {}).get("architecture")
-    if index is not None and index.is_file() and raw_arch:
-        tensors = _indexed_tensors(path, index)
-    else:
+    tensors = _indexed_tensors(path, index) if index is not None and index.is_file() and raw_arch else None
+    if tensors is None:
         reader = _reader(path)
         raw_arch = raw_arch or _field(reader, "general.architecture")
         tensors = [(t.name, t.tensor_type, t.data) for t in reader.tensors]

@@ -146,9 +146,11 @@ def test_tensor_index_maps_what_the_reader_reads(tmp_path: Path, monkeypatch: py
         by_index = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg, index))
     assert by_index.keys() == by_reader.keys()
     assert all(torch.equal(by_index[k], by_reader[k]) for k in by_reader)
-    index.unlink()
-    again = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg, index))
-    assert index.is_file() and all(torch.equal(again[k], by_reader[k]) for k in by_reader)
+    for damage in (index.unlink, lambda: index.write_text('{"version": 99}'), lambda: index.write_text("{not json")):
+        damage()  # missing (an older cache), from another version, unreadable: parsed again and rewritten
+        again = dict(gguf_file.iterate_gguf_weights(gguf_path, cfg, index))
+        assert all(torch.equal(again[k], by_reader[k]) for k in by_reader)
+        assert json.loads(index.read_text())["version"] == 1
 
 
 def test_a_file_shorter_than_its_index_is_a_clear_error(tmp_path: Path) -> None:

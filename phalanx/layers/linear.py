@@ -1,8 +1,10 @@
 """Pre-packed bf16 linear layers for the CPU hot path.
 
 Owns: `PackedLinear` (a linear whose weight is packed once at load for the GEMM that serves it),
-`prepack_linears`, which swaps a loaded module tree's bf16 `nn.Linear`s for it, and
-`PackedEmbedding` (a tied model's token lookup, reading the logits head's packed table).
+`prepack_linears`, which swaps a loaded module tree's bf16 `nn.Linear`s for it,
+`PackedEmbedding` (a tied model's token lookup, reading the logits head's packed table), and
+`empty_linear` / `empty_embedding` (the layers the served models are built from, left unfilled
+until their weights load).
 Does not own: the GEMM kernels (csrc/gemm.cpp, ``ops.cpu``), loading weights (the models pack after
 `load_weights`) or fp32 models (left as they are: their matmuls go through MKL, and packing them
 would change the fp32 parity paths).
@@ -31,6 +33,36 @@ import torch
 from torch import nn
 
 from phalanx.ops import cpu as cpu_ops
+
+
+class _Unfilled:
+    """Mixin: the layer's parameters are allocated (torch.empty) but `reset_parameters` does not fill
+    them. Every model phalanx serves loads each weight from its checkpoint and fails on any it lacks,
+    so PyTorch's random initialisation would only be overwritten (~0.9 s of SmolLM2-135M's load,
+    seconds for a 1B model)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _UnfilledLinear(_Unfilled, nn.Linear):
+    pass
+
+
+class _UnfilledEmbedding(_Unfilled, nn.Embedding):
+    pass
+
+
+def empty_linear(in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> nn.Linear:
+    """An `nn.Linear` (a subclass: isinstance checks and state-dict names are nn.Linear's) whose
+    parameters are left unfilled until its weights load (see `_Unfilled`)."""
+    return _UnfilledLinear(in_features, out_features, bias=bias, dtype=dtype)
+
+
+def empty_embedding(num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> nn.Embedding:
+    """An `nn.Embedding` left unfilled until its weights load (see `_Unfilled`)."""
+    return _UnfilledEmbedding(num_embeddings, embedding_dim, dtype=dtype)
 
 
 @functools.cache

@@ -8,13 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.layers.linear import empty_linear
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = empty_linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = empty_linear(intermediate_size, hidden_size)
         self.kernel: Any = None  # the compiled ops module (``ops.cpu.attach``), bf16 only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.layers.linear import PackedLinear, prepack_supported
+from phalanx.layers.linear import PackedLinear, empty_linear, prepack_supported
 
 
 class ExpertExchange(Protocol):
@@ -40,7 +40,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.intermediate_size = intermediate_size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = empty_linear(hidden_size, num_experts)
         # Experts [first, last) computed by this rank; all of them unless expert-parallel.
         self.expert_range = (0, num_experts)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -51,7 +51,7 @@ class SparseMoE(nn.Module):
             from phalanx.layers.mlp import GatedMLP
 
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = empty_linear(hidden_size, 1)
         self.exchange: ExpertExchange | None = None
         # bf16 on CPU: per-expert (w13, w2) packed once loaded (`prepack`)
         self.packed_experts: list[tuple[PackedLinear, PackedLinear]] | None = None

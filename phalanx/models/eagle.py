@@ -29,7 +29,13 @@ from torch import nn
 
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import (
+    PackedLinear,
+    empty_embedding,
+    empty_linear,
+    prepack_linears,
+    prepack_supported,
+)
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.norm import RMSNorm
 from phalanx.layers.rotary import RotaryEmbedding
@@ -86,7 +92,7 @@ class _HeadBase(nn.Module):
         for raw_name, tensor in weights:
             name = _normalise(raw_name)
             if name == "embed_tokens.weight":
-                self.embed_tokens = nn.Embedding(*tensor.shape, dtype=self.config.dtype)
+                self.embed_tokens = empty_embedding(*tensor.shape, dtype=self.config.dtype)
                 params["embed_tokens.weight"] = self.embed_tokens.weight
             if name == "lm_head.weight" and "lm_head.weight" not in params:
                 self._own_lm_head(tensor)
@@ -111,7 +117,7 @@ class _HeadBase(nn.Module):
             raise ValueError(f"EAGLE checkpoint {self.config.path!r} lacks weights for: {missing[:8]}")
 
     def _own_lm_head(self, tensor: torch.Tensor) -> None:
-        self.lm_head = nn.Linear(tensor.shape[1], tensor.shape[0], bias=False, dtype=self.config.dtype)
+        self.lm_head = empty_linear(tensor.shape[1], tensor.shape[0], dtype=self.config.dtype)
 
     def chain_form(self) -> EagleChain | None:
         """The arguments of the C++ drafting chain (``ops.cpu.eagle_chain``: several drafting passes
@@ -195,7 +201,7 @@ class Eagle1Head(_HeadBase):
     def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
         super().__init__(cfg, target)
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=bool(cfg.hf_config.get("bias", False)))
+        self.fc = empty_linear(2 * h, h, bias=bool(cfg.hf_config.get("bias", False)))
         layer = DecoderLayer(cfg, 0, self.rotary)
         layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.layers = nn.ModuleList([layer] + _more_layers(cfg, self.rotary))
@@ -261,11 +267,11 @@ class Eagle3Head(_HeadBase):
                 f"layer's output before the final norm)"
             )
         target_h = int(hf.get("target_hidden_size") or h)
-        self.fc = nn.Linear(3 * target_h, h, bias=False)
+        self.fc = empty_linear(3 * target_h, h)
         self.layers = nn.ModuleList([Eagle3Layer(cfg, self.rotary), *_more_layers(cfg, self.rotary)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         draft_vocab = int(hf.get("draft_vocab_size") or cfg.vocab_size)
-        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.lm_head = empty_linear(h, draft_vocab)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:  # 3 x [T, H_target] -> [T, H]

@@ -19,7 +19,14 @@ from torch import nn
 from phalanx.attention.metadata import AttentionMetadata
 from phalanx.attention.torch_paged import attention_kernel, paged_attention
 from phalanx.config import ModelConfig
-from phalanx.layers.linear import PackedEmbedding, PackedLinear, prepack_linears, prepack_supported
+from phalanx.layers.linear import (
+    PackedEmbedding,
+    PackedLinear,
+    empty_embedding,
+    empty_linear,
+    prepack_linears,
+    prepack_supported,
+)
 from phalanx.layers.mlp import GatedMLP
 from phalanx.layers.moe import SparseMoE
 from phalanx.layers.norm import RMSNorm
@@ -37,8 +44,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         in_features = in_features or cfg.hidden_size
-        self.qkv_proj = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = empty_linear(in_features, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = empty_linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -214,7 +221,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max(cfg.max_model_len, cfg.max_position_embeddings), cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = empty_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -230,7 +237,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head: nn.Module | None = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else empty_linear(cfg.hidden_size, cfg.vocab_size)
         )
         self.tied_head: PackedLinear | None = None  # the embedding packed as the logits head (prepack)
         self._chain: ModelChain | None | bool = False  # `chain_form` (False: not resolved yet)

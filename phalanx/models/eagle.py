@@ -47,6 +47,7 @@ from phalanx.models.llama import (
     _copy_shard,
     fused_parts,
     map_hf_name,
+    missing_weights,
     packed_pair,
 )
 from phalanx.models.loader import iterate_weights
@@ -111,8 +112,8 @@ class _HeadBase(nn.Module):
                 raise ValueError(f"EAGLE checkpoint tensor {raw_name!r} has no matching parameter")
             with torch.no_grad():
                 _copy_shard(params[pname], shard, tensor, self.config, raw_name)
-            loaded.add(pname)
-        missing = [n for n in params if n not in loaded and not n.startswith("target")]
+            loaded.add(pname if shard is None else f"{pname}#{shard}")
+        missing = [n for n in missing_weights(params, loaded) if not n.startswith("target")]
         if missing:
             raise ValueError(f"EAGLE checkpoint {self.config.path!r} lacks weights for: {missing[:8]}")
 

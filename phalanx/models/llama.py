@@ -386,10 +386,48 @@ class CausalLM(nn.Module):
         self._check_complete(params, loaded)
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        loaded_names = {n.split("#")[0] for n in loaded}
-        missing = [n for n in params if n not in loaded_names]
+        missing = missing_weights(params, loaded)
         if missing:
             raise ValueError(f"checkpoint {self.config.path!r} lacks weights for: {missing[:8]}")
+
+
+def _shards_needed(name: str, param: torch.Tensor) -> set[str] | None:
+    """The shards (as `map_hf_name` names them) that fill parameter `name` when the checkpoint holds
+    it in parts; None for a parameter loaded whole."""
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        return {"q", "k", "v"}
+    if name.endswith("gate_up_proj.weight"):
+        return {"gate", "up"}
+    if name.endswith(".mlp.w13"):
+        return {f"{e}:{half}" for e in range(param.shape[0]) for half in ("gate", "up")}
+    if name.endswith(".mlp.w2"):
+        return {f"{e}:None" for e in range(param.shape[0])}
+    return None
+
+
+def missing_weights(params: dict[str, nn.Parameter], loaded: set[str]) -> list[str]:
+    """The parameters a load left (partly) unfilled: `loaded` holds each loaded name, or
+    ``name#shard`` for a part of a fused or stacked one (q / k / v, gate / up, one expert's half),
+    so a checkpoint with q_proj but no k_proj is caught, not served from unfilled memory."""
+    whole: set[str] = set()
+    parts: dict[str, set[str]] = {}
+    for n in loaded:
+        base, _, shard = n.partition("#")
+        if shard:
+            parts.setdefault(base, set()).add(shard)
+        else:
+            whole.add(base)
+    missing = []
+    for name, param in params.items():
+        if name in whole:
+            continue
+        need = _shards_needed(name, param)
+        lacking = sorted(need - parts.get(name, set())) if need is not None else None
+        if lacking is None:
+            missing.append(name)
+        elif lacking:
+            missing.append(f"{name} ({', '.join(lacking[:4])}{', ...' if len(lacking) > 4 else ''})")
+    return missing
 
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")

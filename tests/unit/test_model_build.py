@@ -44,3 +44,26 @@ def test_a_checkpoint_lacking_a_weight_is_an_error(tmp_path: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lacks weights for.*layers.1.mlp.down_proj"):
         load_model(ModelConfig.from_hf(str(folder), "float32"))
+
+
+@pytest.mark.parametrize("drop", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"])
+def test_a_checkpoint_lacking_one_part_of_a_fused_weight_is_an_error(tmp_path: Path, drop: str) -> None:
+    """q / k / v load into one qkv_proj and gate / up into one gate_up_proj: a missing part names
+    the fused parameter and the part, rather than leaving those rows unfilled."""
+    folder = make_model("LlamaForCausalLM", tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors[drop]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    part = "k" if "k_proj" in drop else "up"
+    with pytest.raises(ValueError, match=rf"lacks weights for.*_proj.weight \({part}\)"):
+        load_model(ModelConfig.from_hf(str(folder), "float32"))
+
+
+def test_a_moe_checkpoint_lacking_one_experts_half_is_an_error(tmp_path: Path) -> None:
+    folder = make_model("MixtralForCausalLM", tmp_path / "m")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = next(n for n in tensors if n.endswith("experts.1.w3.weight"))
+    del tensors[name]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks weights for.*w13 \(1:up\)"):
+        load_model(ModelConfig.from_hf(str(folder), "float32"))

@@ -373,10 +373,11 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
             work.checkpoint.unlink()
             work.file("validation.jsonl").unlink(missing_ok=True)
     nparams = sum(p.numel() for p in head.parameters())
-    precision = "bfloat16 autocast" if bf16_autocast_fast() else "float32: this CPU has no fast bf16 matmul"
+    precision = "bfloat16 autocast" if bf16_autocast_fast() else "float32"
     _say(f"train: {cfg.method} head, {nparams / 1e6:.2f}M parameters, {shards.num_sequences} sequences / "
          f"{shards.num_tokens} tokens, {per_epoch} batches per epoch, {steps} steps (lr {cfg.lr}, warm-up {warmup}, "
-         f"{cfg.passes} passes, {cfg.label_kind} labels, {precision})")
+         f"{cfg.passes} passes, {cfg.label_kind} labels, {precision}"
+         f"{'' if precision != 'float32' else ': this CPU has no fast bf16 matmul'})")
     val_stream, val_batches = None, 0
     if val_shards:
         val_stream = BatchStream(FeatureShards.open(val_shards), cfg.batch_tokens, 1, 0, cfg.max_len, aux=eagle3)
@@ -417,7 +418,7 @@ def stage_train(cfg: TrainEagleConfig, target: Target, work: WorkDir, train_shar
     head.eval()
     return TrainResult(head, hcfg, steps, state.seconds, last_val,
                        {"train": state.train_curve, "val": state.val_curve}, vocab, fc_lr_scale,
-                       {"params": nparams, "precision": precision.split(":")[0], "batches_per_epoch": per_epoch,
+                       {"params": nparams, "precision": precision, "batches_per_epoch": per_epoch,
                         "warmup": warmup, "sequences": shards.num_sequences, "tokens": shards.num_tokens})
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_util import REPO, start_server, stop_server  # noqa: E402
@@ -158,8 +159,10 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
         for c in args.concurrency:
             items = items_all[: max(args.min_requests, args.requests_per_slot * c)]
             rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-            for _ in range(args.repeats):
-                for mode in modes:
+            for rnd in range(args.repeats):
+                # Every other round in reverse order: a machine drifting within a round then favours
+                # neither the first mode nor the last.
+                for mode in modes if rnd % 2 == 0 else modes[::-1]:
                     res = asyncio.run(run_level(servers[mode][1], args.model, items, c, args.max_tokens,
                                                 args.level_timeout))  # fmt: skip
                     rounds[mode].append(res)
@@ -176,17 +179,34 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
 
 
 def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name: str, levels: list[int]) -> str:
+    """Medians per mode, their ratios, and the paired ratios: adaptive against the others measured
+    in the same round (one round takes a minute or two, over which this kind of shared machine
+    drifts by ~10 %: a ratio within a round cancels most of that), the median over the rounds."""
     fixed = [m for m in modes if m.startswith("k=")]
-    head = "| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | adaptive / max(plain, best k) | adaptive / best k |"
-    lines = [head, "|" + "---|" * (len(modes) + 3)]
+    head = ("| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | adaptive / max(plain, best k) | adaptive / best k"
+            + " | paired: adaptive / max(plain, best k) | paired: adaptive / best k |")
+    lines = [head, "|" + "---|" * (len(modes) + 5)]
+    nan = float("nan")
     for c in levels:
-        tput = {m: results[m][f"{name}/c{c}"]["output_throughput"] for m in modes}
-        best_k = max((tput[m] for m in fixed), default=float("nan"))
-        better = max(tput.get("plain", 0.0), best_k)
-        ad = tput.get("adaptive", float("nan"))
+        point = {m: results[m][f"{name}/c{c}"] for m in modes}
+        tput = {m: point[m]["output_throughput"] for m in modes}
+        ratios = _ratios(tput, fixed)
+        rounds = [{m: point[m]["rounds_output_throughput"][i] for m in modes}
+                  for i in range(min(len(point[m]["rounds_output_throughput"]) for m in modes))]
+        paired = [_ratios(r, fixed) for r in rounds]
+        med = [float(np.median([p[j] for p in paired])) if paired else nan for j in (0, 1)]
         lines.append(f"| {c} | " + " | ".join(f"{tput[m]:.1f}" for m in modes)
-                     + f" | {ad / better:.3f} | {ad / best_k:.3f} |")  # fmt: skip
+                     + "".join(f" | {x:.3f}" for x in (*ratios, *med)) + " |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _ratios(tput: dict[str, float], fixed: list[str]) -> tuple[float, float]:
+    """adaptive / max(plain, best fixed k) and adaptive / best fixed k (nan where a mode is missing)."""
+    nan = float("nan")
+    best_k = max((tput[m] for m in fixed), default=nan)
+    better = max((x for x in (tput.get("plain", nan), best_k) if x == x), default=nan)
+    ad = tput.get("adaptive", nan)
+    return (ad / better if better > 0 else nan), (ad / best_k if best_k > 0 else nan)
 
 
 def plot(results: dict, modes: list[str], names: list[str], levels: list[int], path: Path, title: str) -> None:

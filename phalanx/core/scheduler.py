@@ -61,6 +61,9 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * max(num_spec_tokens, 0)
         self.spec_draft_lengths = [0] * (num_spec_tokens + 1) if num_spec_tokens > 0 else []
+        # Requests whose drafter catch-up waits after the last step: the first position it lacks
+        # (`ModelRunnerOutput.drafter_kv_end`); the adaptive policy's explorations read the waits.
+        self._drafter_waiting: dict[str, int] = {}
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -236,7 +239,12 @@ class Scheduler:
         req_ids = [r for r in num_scheduled if r in reaching_end]  # batch order
         off = self.disable_by_batch_size is not None and len(num_scheduled) > self.disable_by_batch_size
         caps = [0 if off else self._draft_cap(self.requests[r], k) for r in req_ids]
-        lengths = caps if self.adaptive is None else self.adaptive.choose(req_ids, caps, base_rows)
+        if self.adaptive is None:
+            lengths = caps
+        else:  # positions each request's drafter catch-up has waiting (fed when it drafts again)
+            waiting = self._drafter_waiting
+            lags = [max(self.requests[r].num_computed_tokens - waiting.get(r, 1 << 62), 0) for r in req_ids]
+            lengths = self.adaptive.choose(req_ids, caps, base_rows, lags)
         for d in lengths:
             self.spec_draft_lengths[d] += 1
         return dict(zip(req_ids, lengths))
@@ -257,6 +265,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        self._drafter_waiting = out.drafter_kv_end
         for i, req_id in enumerate(out.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -2,8 +2,9 @@
 
 Owns: `AcceptanceStats` (each request's running acceptance per draft position, smoothed towards
 the engine-wide rate), `StepCostModel` (step time against the rows in the step and its drafter
-passes: a local weighted least-squares fit over the recent steps), and `AdaptiveDrafting` (turns
-both into the inputs of `policy.choose_draft_lengths`).
+passes: a local weighted least-squares fit over the recent steps, the target's part on a shape
+profiled at start-up where the engine measured one), and `AdaptiveDrafting` (turns both into the
+inputs of `policy.choose_draft_lengths`).
 Does not own: the decision itself (``spec_decode.policy``, a pure function), the per-request and
 per-batch caps (``core.scheduler``), timing the step (``engine.engine_core``), or agreement across
 lockstep ranks (each rank decides for its own requests; the vote sizes the drafter passes from the
@@ -120,6 +121,11 @@ class StepFit(NamedTuple):
     first_cost: float
     pass_cost: float
     verify_cost: float = 0.0  # what verifying any drafts costs besides their rows
+    # With a profiled shape (`StepCostModel.set_profile`): the target's part of the step is
+    # scale * shape(rows, logit rows), and fixed / per_row / per_logit_row are the drafter's part
+    # alone. 0: no profile, the linear form above prices the target too.
+    scale: float = 0.0
+    drafter_row: float = 0.0  # the drafter's part of a row: what a waiting catch-up costs a position
 
 
 class StepCostModel:
@@ -195,6 +201,42 @@ class StepCostModel:
         self._step = np.full(window, -np.inf)  # the step count each entry was taken at; -inf: empty slot
         self._next = 0
         self._count = 0
+        # The target forward's and the lm_head's seconds against rows, measured before serving
+        # (`set_profile`); None: the target's part is fitted as a line (class docstring).
+        self._profile: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float]) -> None:
+        """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
+        target forward over `rows[i]` decode rows, `head_seconds[i]` the lm_head and greedy pick
+        over as many (``ModelRunner.profile_step_curve``). The fit then scales that shape to the
+        steps near the batch size asked about (one factor: the API server's share of the cores,
+        the machine's clock, Python's per-step work) and fits only the drafter's part and the
+        verification's fixed cost as lines. Why: served, steps of the same rows vary by 10-30 %
+        (other work on the same cores), and a row's cost read from differences of a row or two
+        between consecutive steps was mostly that noise. On a compute-bound CPU (AVX2, SmolLM2:
+        ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load."""
+        r = np.asarray(rows, dtype=np.float64)
+        if r.ndim != 1 or r.size == 0 or len(forward_seconds) != r.size or len(head_seconds) != r.size:
+            raise ValueError(f"profile needs rows, forward and head seconds of one length, got {rows!r}")
+        if not (np.diff(r) > 0).all() or r[0] < 1:
+            raise ValueError(f"profile rows must rise from >= 1, got {rows!r}")
+        if not min(forward_seconds) > 0:
+            raise ValueError(f"profile forward seconds must be > 0, got {forward_seconds!r}")
+        # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so).
+        fwd = np.maximum.accumulate(np.maximum(np.asarray(forward_seconds, dtype=np.float64), 0.0))
+        head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
+        # The head over 0 rows costs nothing (a step of prompt rows only).
+        self._profile = (r, fwd, np.concatenate([[0.0], head]))
+        self._fits.clear()
+        self._curves.clear()
+
+    def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float) -> np.ndarray:
+        """The profiled seconds of a target forward over `rows` rows, `logit_rows` of them through
+        the lm_head: linear between the measured points, along the last segment beyond them."""
+        assert self._profile is not None
+        r, fwd, head = self._profile
+        head_rows = np.concatenate([[0.0], r])
+        return _interp(rows, r, fwd) + _interp(logit_rows, head_rows, head)
 
     @property
     def measured(self) -> bool:
@@ -223,7 +265,10 @@ class StepCostModel:
 
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
-        that stands for `base_rows` (`_grid`)."""
+        that stands for `base_rows` (`_grid`). With a profile, whether any step was measured: the
+        shape is known everywhere, and any step gives its scale."""
+        if self._profile is not None:
+            return self.measured
         self._expire()
         return self._near_any(self._grid(base_rows))
 
@@ -275,10 +320,40 @@ class StepCostModel:
         total = wd.sum()
         if total > 0:
             wd = wd / total
-            dx, dl, du, dq = x - np.roll(x, 1), lg - np.roll(lg, 1), u - np.roll(u, 1), q - np.roll(q, 1)
-            dt, dd, dv, df = t - np.roll(t, 1), d - np.roll(d, 1), v - np.roll(v, 1), fed - np.roll(fed, 1)
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
             ridge = share * np.array([self.row_ridge, self.pass_ridge, self.pass_ridge])
+            # The drafter's part against the rows its first pass fed (a catch-up's included: charged
+            # to the later passes it would make a spell of no drafting look dear), whether it ran,
+            # and its later passes, from its own timer: a pass is ~2 % of a step, far below the
+            # step's jitter, but not below the drafter's.
+            dd, df = d - np.roll(d, 1), fed - np.roll(fed, 1)
+            du, dq = u - np.roll(u, 1), q - np.roll(q, 1)
+            dz = np.stack([df, du, dq])  # [3, window]
+            gram = (dz * wd) @ dz.T + np.diag(ridge)
+            rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
+            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+        else:
+            drafter_row = drafter_row_prior
+            first_cost = pass_cost = pass_prior
+        drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
+        dv = v - np.roll(v, 1)
+        if self._profile is not None:
+            # The target's part: the profiled shape times one scale, fitted near `base_rows`, and
+            # what verifying drafts at all costs besides its rows, from the step-to-step
+            # differences of what the shape leaves unexplained (prior 0).
+            shape = self.shape(x, lg)  # [window]
+            level = max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
+            scale = float(mt / level)
+            verify_cost = 0.0
+            if total > 0:
+                rest = t - scale * shape
+                dr = rest - np.roll(rest, 1)
+                verify_cost = max(float((wd * dv) @ dr) / (float((wd * dv) @ dv) + share * self.verify_ridge), 0.0)
+                scale = float((mt - verify_cost * mv) / level)
+            return StepFit(float(drafter_fixed), float(drafter_row), float(drafter_row), float(first_cost),
+                           float(pass_cost), float(verify_cost), max(scale, 0.0), float(drafter_row))
+        if total > 0:
+            dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
             # The target's part against its rows, what a row that computes logits costs on top
             # (the lm_head and sampling; shrunk towards `logit_share` of a row's slope, so where
             # only prompt rows vary, as at high load or near a batch size reached only by prompt
@@ -295,26 +370,15 @@ class StepCostModel:
             # slope between them, either part possibly below zero).
             logit_row = max(target_row + logit_extra, 0.0)
             target_row, verify_cost = max(target_row, 0.0), max(verify_cost, 0.0)
-            # The drafter's part against the rows its first pass fed (a catch-up's included: charged
-            # to the later passes it would make a spell of no drafting look dear), whether it ran,
-            # and its later passes, from its own timer: a pass is ~2 % of a step, far below the
-            # step's jitter, but not below the drafter's.
-            dz = np.stack([df, du, dq])  # [3, window]
-            gram = (dz * wd) @ dz.T + np.diag(ridge)
-            rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
-            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
         else:
             logit_row = row_prior
             target_row = row_prior / (1.0 + self.logit_share)
-            drafter_row = drafter_row_prior
-            first_cost = pass_cost = pass_prior
             verify_cost = 0.0
-        fixed = (mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv
-                 + md - drafter_row * mf - first_cost * mu - pass_cost * mq)
+        fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
         # Priced as if the drafter fed every row of the step (it does when every request drafts).
         per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
         return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost),
-                       float(verify_cost))
+                       float(verify_cost), 0.0, float(drafter_row))
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
         """The fit at the grid point nearest `rows` (None where no step was measured within its cut,
@@ -363,6 +427,10 @@ class StepCostModel:
         if cached is not None:
             return cached
         logit_base = base_rows if base_logit_rows is None else base_logit_rows
+        if self._profile is not None:
+            result = self._profiled_cost(base_rows, num_extra, logit_base)
+            self._curves[key] = result
+            return result
         top = base_rows + num_extra
         anchors = [float(base_rows)]
         while anchors[-1] < top:
@@ -398,6 +466,41 @@ class StepCostModel:
         return result
 
 
+    def catch_up_cost(self, base_rows: float) -> float:
+        """What feeding the drafter one waiting position costs (the drafter's part of a row), near
+        `base_rows`."""
+        f = self._cached_fit(base_rows, always=True)
+        assert f is not None
+        return f.drafter_row
+
+    def _profiled_cost(self, base_rows: float, num_extra: int, logit_base: float
+                       ) -> tuple[list[float], float, float]:
+        """`step_cost` on the profiled shape: the target's part at base + m rows is the local scale
+        times the shape there (the shape is measured up to the largest batch, so no anchors), the
+        drafter's its line through the rows it would feed."""
+        f = self._cached_fit(base_rows, always=True)
+        assert f is not None
+        m = np.arange(num_extra + 1, dtype=np.float64)
+        rows = base_rows + m
+        times = f.scale * self.shape(rows, logit_base + m) + f.fixed + f.per_row * rows
+        curve = np.maximum.accumulate(np.maximum(times, 1e-6)).tolist()
+        return curve, f.first_cost + f.verify_cost, f.pass_cost
+
+
+def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Linear between the points (xs rising), along the last segment beyond them, along the first
+    below them, never below 0."""
+    x = np.asarray(x, dtype=np.float64)
+    if xs.size == 1:
+        return np.maximum(ys[0] * x / max(xs[0], 1.0), 0.0)
+    y = np.interp(x, xs, ys)
+    hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    y = np.where(x > xs[-1], ys[-1] + hi * (x - xs[-1]), y)
+    y = np.where(x < xs[0], ys[0] + lo * (x - xs[0]), y)
+    return np.maximum(y, 0.0)
+
+
 class AdaptiveDrafting:
     """The scheduler's handle on the adaptive policy: request acceptance in, step costs in, draft
     lengths out. `drafter_passes`: the drafter runs a pass per draft position (model drafters),
@@ -410,11 +513,17 @@ class AdaptiveDrafting:
         self.costs = StepCostModel(logit_share=logit_share)
         self._decisions = 0
 
-    def choose(self, req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:
+    def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
+               ) -> list[int]:
         """Draft lengths for the requests that reach their end this step (verified next step, in
         a batch of about `base_rows` rows besides the drafts). Until a step of about that size
         (within the fit's cut) was measured every request gets its cap (static drafting), which is
-        also what gives the first measurements there."""
+        also what gives the first measurements there. `lags`: per request, the positions its
+        drafter catch-up has waiting (fed when it drafts again; None: none wait). The policy
+        itself does not price them (a request that drafts again later feeds them then anyway);
+        the explorations do, being one-off: the one-request exploration takes the request with
+        the shortest wait, and the whole batch at its caps is tried only where it comes within
+        the margin with its catch-ups paid."""
         if not req_ids or max(caps, default=0) == 0 or not self.costs.measured_near(base_rows):
             return list(caps)
         caps = [min(c, self.k) for c in caps]
@@ -430,12 +539,15 @@ class AdaptiveDrafting:
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
         self._decisions += 1
+        lags = lags if lags is not None else [0] * len(req_ids)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
-            deep = step_rate(rates, caps, step_cost, pass_cost, first_cost)
+            waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0)
+            catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0
+            deep = step_rate(rates, caps, step_cost, pass_cost, first_cost, catch_up)
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
                 return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
-            explore(lengths, caps)
+            explore(lengths, caps, lags)
         return lengths
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -450,9 +562,11 @@ class AdaptiveDrafting:
         self.acceptance.forget(req_id)
 
 
-def explore(lengths: list[int], caps: list[int]) -> None:
-    """One draft more, in place, for the request with the longest length below its cap (the first
-    such in batch order): a row more, and a pass more when its length was the deepest (>= 1)."""
+def explore(lengths: list[int], caps: list[int], lags: list[int] | None = None) -> None:
+    """One draft more, in place, for a request below its cap: the one with the shortest drafter
+    catch-up waiting (`lags`; a drafting request has none), among those the longest length (a row
+    more, and a pass more when it was the deepest), the first such in batch order."""
     room = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
     if room:
-        lengths[max(room, key=lambda i: (lengths[i], -i))] += 1
+        lag = lags if lags is not None else [0] * len(lengths)
+        lengths[min(room, key=lambda i: (lag[i], -lengths[i], i))] += 1

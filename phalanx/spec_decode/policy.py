@@ -55,12 +55,13 @@ def step_rate(
     step_cost: list[float],  # [sum of lengths + 1 at least]
     pass_cost: float,
     first_cost: float = 0.0,
+    extra_time: float = 0.0,  # anything else the choice costs (a catch-up it starts)
 ) -> float:
     """The objective of a choice: expected tokens per second of a step that drafts `lengths`."""
     rates = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0).reshape(len(lengths), -1)
     tokens = expected_tokens(rates, np.asarray(lengths))
     depth = max(lengths, default=0)
-    time = step_cost[sum(lengths)] + (first_cost + pass_cost * (depth - 1) if depth else 0.0)
+    time = step_cost[sum(lengths)] + (first_cost + pass_cost * (depth - 1) if depth else 0.0) + extra_time
     return tokens / time
 
 

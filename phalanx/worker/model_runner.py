@@ -12,6 +12,7 @@ tensor op.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -241,6 +242,41 @@ class ModelRunner:
             )
             self.drafter_seconds += time.perf_counter() - t0
         return out
+
+    @torch.inference_mode()
+    def profile_step_curve(
+        self, max_rows: int, context: int = 64, repeats: int = 2
+    ) -> tuple[list[int], list[float], list[float]]:
+        """Seconds of the target forward over r decode rows (each one token after `context` cached
+        ones) and of the lm_head with greedy picks over r rows, for r on a grid up to `max_rows`
+        (the fastest of `repeats` runs each up to 64 rows, one run above, after one warm-up
+        run of each up to 16 rows: a second on SmolLM2 on 2 AVX2 cores): the shape of step time against rows that the adaptive
+        policy prices drafts on, measured before serving, while nothing else runs (its online fit
+        scales it to what the steps measure). Call it before any request holds blocks: the rows
+        write throw-away KV into the first blocks. Not under expert parallelism (the forward's
+        collectives would have no partners on the other ranks)."""
+        if self.expert_shard is not None:
+            raise RuntimeError("profile_step_curve runs the forward alone: not under expert parallelism")
+        nb = max(min((context + 1 + self.block_size - 1) // self.block_size, self.num_blocks), 1)
+        context = min(context, nb * self.block_size - 1)
+        grid = [r for r in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256) if r < max_rows] + [max_rows]
+        fwd: dict[int, float] = {}
+        head: dict[int, float] = {}
+        for rep in range(repeats + 1):  # round 0 warms the kernels up and is not kept
+            for r in grid:
+                if (rep == 0 and r > 16) or (rep > 1 and r > 64):
+                    continue
+                table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
+                meta = build_attention_metadata([1] * r, [context] * r, table, self.block_size)
+                ids = torch.zeros(r, dtype=torch.int64)
+                t0 = time.perf_counter()
+                hidden, _ = self.model(ids, self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids)
+                t1 = time.perf_counter()
+                self._argmax(self.model.compute_logits(hidden, float32=False))
+                t2 = time.perf_counter()
+                if rep:
+                    fwd[r], head[r] = min(fwd.get(r, math.inf), t1 - t0), min(head.get(r, math.inf), t2 - t1)
+        return grid, [fwd[r] for r in grid], [head[r] for r in grid]
 
     def _propose(
         self,

@@ -19,8 +19,10 @@ import asyncio
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from phalanx import LLM, SamplingParams
@@ -28,6 +30,7 @@ from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.spec_decode.adaptive import EXPLORE_EVERY
 from phalanx.spec_decode.config import SpeculativeConfig
+from phalanx.worker.model_runner import ModelRunner
 from tests.fake_engine import fake_app
 from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
 from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
@@ -134,9 +137,13 @@ def test_opt_outs_and_caps_are_lossless_and_honoured(method: str, dtype: str, ad
 
 def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
     """Replace the engine's step timing by a fixed cost model: 1 s + `row_seconds` per row, and
-    `pass_seconds` per drafter pass, so that the adaptive choices are deterministic."""
+    `pass_seconds` per drafter pass, so that the adaptive choices are deterministic. The profile
+    the engine measured at start-up gives way to the same model's shape."""
     adaptive = llm.engine.adaptive
     assert adaptive is not None
+    assert adaptive.costs._profile is not None  # measured at start-up (not under expert parallelism)
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    adaptive.costs.set_profile(rows, [1.0 + row_seconds * r for r in rows], [0.0] * len(rows))
     observe = adaptive.observe_step
 
     def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
@@ -198,9 +205,9 @@ def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dic
     given: list[int] = []
     steps: list[tuple[int, int, int]] = []  # (base rows given, requests in the step, rows in the step)
 
-    def spy_choose(req_ids: list[str], caps: list[int], base_rows: int) -> list[int]:
+    def spy_choose(req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None) -> list[int]:
         given.append(base_rows)
-        return choose(req_ids, caps, base_rows)
+        return choose(req_ids, caps, base_rows, lags)
 
     def spy_schedule():  # noqa: ANN202
         before = len(given)
@@ -398,3 +405,22 @@ def test_draft_length_counts_in_metrics() -> None:
     for engine, length, value in [("0", "0", 6), ("0", "1", 1), ("0", "3", 9), ("1", "3", 3), ("1", "0", 1)]:
         line = f'phalanx:spec_decode_draft_length_total{{engine="{engine}",length="{length}",model_name="m"}} {value}.0'
         assert line in text, (line, [t for t in text.splitlines() if "draft_length" in t])
+
+
+def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[str, Path]) -> None:
+    """The adaptive policy prices rows on the target's step time against rows, measured when the
+    engine starts (nothing else runs then): rising rows up to the scheduler's token budget, every
+    time > 0. Static speculation measures nothing; a forward under expert parallelism has partners
+    on the other ranks and refuses to run alone."""
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True),
+              max_num_batched_tokens=100)  # fmt: skip
+    adaptive = llm.engine.adaptive
+    assert adaptive is not None and adaptive.costs._profile is not None
+    rows, fwd, head = adaptive.costs._profile
+    assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
+    assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
+    assert llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    static = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models))
+    assert static.engine.adaptive is None
+    with pytest.raises(RuntimeError, match="expert parallelism"):
+        ModelRunner.profile_step_curve(SimpleNamespace(expert_shard=(0, 2)), 16)  # type: ignore[arg-type]

@@ -448,6 +448,12 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
     lengths = [2, 1]
     explore(lengths, [2, 1])  # no room anywhere
     assert lengths == [2, 1]
+    lengths = [0, 0, 0]
+    explore(lengths, [3, 3, 3], lags=[40, 3, 3])  # the shortest catch-up waiting, the first of equals
+    assert lengths == [0, 1, 0]
+    lengths = [1, 0]
+    explore(lengths, [3, 3], lags=[0, 0])
+    assert lengths == [2, 0]
     policy = AdaptiveDrafting(3, drafter_passes=True)
     for _ in range(30):
         policy.observe_verification("a", 3, 0)  # never accepts
@@ -472,3 +478,108 @@ def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
         assert [chosen[i] for i in (WIDE_EXPLORE_EVERY - 1, 2 * WIDE_EXPLORE_EVERY - 1)] == [wide, wide]
         others = [c for i, c in enumerate(chosen) if (i + 1) % EXPLORE_EVERY]
         assert all(c == usual for c in others)
+
+
+def test_the_whole_batch_is_not_tried_where_its_catch_ups_make_it_too_dear() -> None:
+    """As above (a row 0.3 of a 1 s step), two requests: "a" accepts every draft, "b" none, so the
+    choice drafts for "a" alone and the caps (three rows for "b" besides) come within the margin.
+    With 200 positions of "b"'s drafter catch-up waiting at 5 ms each, the caps would cost a
+    second more: they are not tried."""
+    for lag, tried in ((0, True), (200, False)):
+        policy = AdaptiveDrafting(3, drafter_passes=True)
+        for _ in range(30):
+            policy.observe_verification("a", 3, 3)
+            policy.observe_verification("b", 3, 0)
+        policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+            [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
+        policy.costs.catch_up_cost = lambda rows: 0.005  # type: ignore[method-assign]
+        usual = policy.choose(["a", "b"], [3, 3], base_rows=2, lags=[0, lag])
+        assert usual[1] == 0 < usual[0]
+        policy._decisions = WIDE_EXPLORE_EVERY - 1
+        wide = policy.choose(["a", "b"], [3, 3], base_rows=2, lags=[0, lag])
+        assert (wide == [3, 3]) is tried
+
+
+# ---- the profiled shape ------------------------------------------------------------------------
+# A compute-bound CPU: the forward costs 5 ms + 2 ms a row, the lm_head 0.5 ms a row.
+_PROFILE_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def _profiled(**kwargs) -> StepCostModel:  # noqa: ANN003
+    costs = StepCostModel(**kwargs)
+    costs.set_profile(_PROFILE_ROWS, [0.005 + 0.002 * r for r in _PROFILE_ROWS], [0.0005 * r for r in _PROFILE_ROWS])
+    return costs
+
+
+def test_a_profiled_shape_prices_rows_where_the_steps_are_too_noisy_to() -> None:
+    """Served, steps of 30-33 rows jitter by +-20 % (the API server and the client share the
+    cores): a row's cost cannot be read from them, the profile's shape gives it, scaled to what
+    the steps take (here 1.2x the profile)."""
+    rng = np.random.default_rng(4)
+    costs = _profiled()
+    for _ in range(512):
+        rows = int(rng.integers(30, 34))
+        costs.observe(rows, 1.2 * (0.005 + 0.0025 * rows) * rng.uniform(0.8, 1.2), 0.0, 0)
+    curve, _, _ = costs.step_cost(32, 32)
+    assert curve[0] == pytest.approx(1.2 * (0.005 + 0.0025 * 32), rel=0.05)
+    assert curve[32] - curve[0] == pytest.approx(1.2 * 0.0025 * 32, rel=0.1)
+    assert costs.measured_near(1000)  # any step scales the shape: known everywhere
+
+
+def test_the_profile_follows_prompt_rows_and_the_drafter() -> None:
+    """A prompt row skips the lm_head; the drafter's part is its own line through the rows it fed."""
+    costs = _profiled()
+    for step in range(256):
+        prompt = 100 if step % 8 == 0 else 0
+        rows, logits = 16 + prompt, 16
+        drafter = 0.001 + 0.0001 * rows
+        costs.observe(rows, 0.005 + 0.002 * rows + 0.0005 * logits + drafter, drafter, 1, num_logit_rows=logits)
+    fit = costs.fit(16)
+    assert fit.scale == pytest.approx(1.0, rel=0.02)
+    assert fit.per_row == pytest.approx(0.0001, rel=0.25)  # the drafter's row (its ridge pulls it a little)
+    curve, _, _ = costs.step_cost(16, 16, base_logit_rows=16)
+    assert curve[16] - curve[0] == pytest.approx(16 * (0.0025 + 0.0001), rel=0.05)
+
+
+def test_verifying_drafts_at_all_is_priced_apart_from_the_profiled_rows() -> None:
+    costs = _profiled()
+    for step in range(256):
+        drafts = 4 if step % 3 == 0 else 0
+        rows = 16 + drafts
+        costs.observe(rows, 0.005 + 0.0025 * rows + (0.003 if drafts else 0.0), 0.0, 0, num_draft_rows=drafts)
+    fit = costs.fit(16)
+    assert fit.verify_cost == pytest.approx(0.003, rel=0.1)
+    assert fit.scale == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_bad_profile_is_refused() -> None:
+    costs = StepCostModel()
+    with pytest.raises(ValueError, match="rise"):
+        costs.set_profile([4, 2], [0.1, 0.2], [0.0, 0.0])
+    with pytest.raises(ValueError, match="one length"):
+        costs.set_profile([1, 2], [0.1], [0.0, 0.0])
+    with pytest.raises(ValueError, match="rise"):
+        costs.set_profile([0, 2], [0.1, 0.2], [0.0, 0.0])
+    with pytest.raises(ValueError, match="> 0"):
+        costs.set_profile([1, 2], [0.0, 0.2], [0.0, 0.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(1, 5000), st.floats(1e-4, 1.0), st.floats(0.0, 0.5), st.integers(0, 4),
+                                st.integers(0, 8)), min_size=1, max_size=40),
+       base=st.integers(1, 6000), extra=st.integers(0, 64),
+       profile=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=len(_PROFILE_ROWS)))
+def test_profiled_times_are_positive_and_never_fall(steps, base, extra, profile) -> None:  # noqa: ANN001
+    """Whatever the profile measured (noise included: a bigger batch faster than a smaller one)."""
+    costs = StepCostModel(window=16)
+    rows = _PROFILE_ROWS[: len(profile)]
+    costs.set_profile(rows, profile, profile[::-1])
+    for r, seconds, drafter, passes, drafts in steps:
+        costs.observe(r, seconds, drafter * seconds, passes, num_draft_rows=drafts)
+    step_cost, first_cost, pass_cost = costs.step_cost(base, extra)
+    assert len(step_cost) == extra + 1
+    assert all(np.isfinite(step_cost)) and step_cost[0] > 0
+    assert (np.diff(step_cost) >= 0).all()
+    assert np.isfinite(pass_cost) and pass_cost >= 0
+    assert np.isfinite(first_cost) and first_cost >= 0

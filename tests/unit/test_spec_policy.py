@@ -408,6 +408,17 @@ def test_old_steps_leave_the_window() -> None:
     assert costs.step_cost(4, 0)[0][0] == pytest.approx(3.0)
 
 
+def _assert_sane_costs(costs: StepCostModel, base: int, extra: int) -> None:
+    """Predicted step times positive, finite, never falling as drafts are added; the drafter's
+    costs finite and >= 0."""
+    step_cost, first_cost, pass_cost = costs.step_cost(base, extra)
+    assert len(step_cost) == extra + 1
+    assert all(np.isfinite(step_cost)) and step_cost[0] > 0
+    assert (np.diff(step_cost) >= 0).all()
+    assert np.isfinite(pass_cost) and pass_cost >= 0
+    assert np.isfinite(first_cost) and first_cost >= 0
+
+
 @settings(max_examples=200, deadline=None)
 @given(steps=st.lists(st.tuples(st.integers(1, 5000), st.floats(1e-4, 1.0), st.floats(0.0, 0.5), st.integers(0, 4)),
                       min_size=1, max_size=40),
@@ -416,12 +427,7 @@ def test_predicted_times_are_positive_and_never_fall(steps, base, extra) -> None
     costs = StepCostModel(window=16)
     for rows, seconds, drafter, passes in steps:
         costs.observe(rows, seconds, drafter * seconds, passes)
-    step_cost, first_cost, pass_cost = costs.step_cost(base, extra)
-    assert len(step_cost) == extra + 1
-    assert all(np.isfinite(step_cost)) and step_cost[0] > 0
-    assert (np.diff(step_cost) >= 0).all()
-    assert np.isfinite(pass_cost) and pass_cost >= 0
-    assert np.isfinite(first_cost) and first_cost >= 0
+    _assert_sane_costs(costs, base, extra)
 
 
 def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:
@@ -577,9 +583,4 @@ def test_profiled_times_are_positive_and_never_fall(steps, base, extra, profile)
     costs.set_profile(rows, profile, profile[::-1])
     for r, seconds, drafter, passes, drafts in steps:
         costs.observe(r, seconds, drafter * seconds, passes, num_draft_rows=drafts)
-    step_cost, first_cost, pass_cost = costs.step_cost(base, extra)
-    assert len(step_cost) == extra + 1
-    assert all(np.isfinite(step_cost)) and step_cost[0] > 0
-    assert (np.diff(step_cost) >= 0).all()
-    assert np.isfinite(pass_cost) and pass_cost >= 0
-    assert np.isfinite(first_cost) and first_cost >= 0
+    _assert_sane_costs(costs, base, extra)

@@ -249,10 +249,10 @@ class ModelRunner:
     ) -> tuple[list[int], list[float], list[float]]:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
         ones) and of the lm_head with greedy picks over r rows, for r on a grid up to `max_rows`
-        (the fastest of `repeats` runs each up to 64 rows, one run above, after one warm-up
-        run of each up to 16 rows: a second on SmolLM2 on 2 AVX2 cores): the shape of step time against rows that the adaptive
-        policy prices drafts on, measured before serving, while nothing else runs (its online fit
-        scales it to what the steps measure). Call it before any request holds blocks: the rows
+        (the fastest of `repeats` runs each up to 64 rows, one run above, after one warm-up run
+        of each up to 16 rows: ~1.5 s for SmolLM2 on 2 AVX2 cores): the shape of step time against
+        rows that the adaptive policy prices drafts on, measured before serving, while nothing
+        else runs (its online fit scales it to what the steps measure). Call it before any request holds blocks: the rows
         write throw-away KV into the first blocks. Not under expert parallelism (the forward's
         collectives would have no partners on the other ranks)."""
         if self.expert_shard is not None:

@@ -203,7 +203,8 @@ class StepCostModel:
         self._count = 0
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
-        self._profile: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # (rows, forward seconds, head rows from 0, head seconds from 0)
+        self._profile: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float]) -> None:
         """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
@@ -223,10 +224,10 @@ class StepCostModel:
         if not min(forward_seconds) > 0:
             raise ValueError(f"profile forward seconds must be > 0, got {forward_seconds!r}")
         # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so).
-        fwd = np.maximum.accumulate(np.maximum(np.asarray(forward_seconds, dtype=np.float64), 0.0))
+        fwd = np.maximum.accumulate(np.asarray(forward_seconds, dtype=np.float64))
         head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
         # The head over 0 rows costs nothing (a step of prompt rows only).
-        self._profile = (r, fwd, np.concatenate([[0.0], head]))
+        self._profile = (r, fwd, np.concatenate([[0.0], r]), np.concatenate([[0.0], head]))
         self._fits.clear()
         self._curves.clear()
 
@@ -234,8 +235,7 @@ class StepCostModel:
         """The profiled seconds of a target forward over `rows` rows, `logit_rows` of them through
         the lm_head: linear between the measured points, along the last segment beyond them."""
         assert self._profile is not None
-        r, fwd, head = self._profile
-        head_rows = np.concatenate([[0.0], r])
+        r, fwd, head_rows, head = self._profile
         return _interp(rows, r, fwd) + _interp(logit_rows, head_rows, head)
 
     @property
@@ -464,7 +464,6 @@ class StepCostModel:
         result = (curve, base.first_cost + base.verify_cost, base.pass_cost)
         self._curves[key] = result
         return result
-
 
     def catch_up_cost(self, base_rows: float) -> float:
         """What feeding the drafter one waiting position costs (the drafter's part of a row), near

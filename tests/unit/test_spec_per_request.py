@@ -416,7 +416,7 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
               max_num_batched_tokens=100)  # fmt: skip
     adaptive = llm.engine.adaptive
     assert adaptive is not None and adaptive.costs._profile is not None
-    rows, fwd, head = adaptive.costs._profile
+    rows, fwd, _, head = adaptive.costs._profile
     assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
     assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
     assert llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

@@ -2,13 +2,16 @@
 path ``PHALANX_CPU_ISA`` selects) against oneDNN's packed linear, side by side in one process.
 
     python benchmarks/invariance.py MODEL [MODEL ...] [--threads 2] [--paths auto,onednn]
-                                    [--sections invariance,kernels,e2e,memory] [--repeats 3]
+                                    [--sections invariance,kernels,scaling,e2e,memory] [--repeats 3]
                                     [--clock wall|cpu]
 
 Invariance (one table per path): the LLM's 16 prompts, 48 greedy tokens each; each of the first 8
 requests run alone against the same request (a) in the batch of 16, (b) in that batch with n-gram
 speculation k = 3, (c) in that batch with the model drafting for itself (k = 3: it must accept every
 draft). A cell counts the requests whose tokens are identical to the lone run.
+
+Scaling: the GEMM's wall-clock time over the model's layer shapes at 1 thread and at --threads, and
+the speed-up (how evenly the threads share the work; --threads is the ideal).
 
 Kernel cost: microseconds per call of every linear shape of each model at 1-2048 rows (oneDNN's
 packed linear vs the GEMM), the fastest of 25 calls, and their sum per row count; 1 thread and
@@ -182,6 +185,35 @@ def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
         f"{a:.0f} / {b:.0f} = {b / a:.2f}" for a, b in (totals[r] for r in rows_list)) + " |")
 
 
+def gemm_scaling(model: str, isa: int, rows_list: list[int], threads: int) -> None:
+    """The GEMM's wall-clock time per call at 1 thread and at `threads`, every linear shape of the
+    model summed (the head left out: its logits rows are few), and the speed-up: how evenly the
+    threads share the rows and column blocks (`threads` is the ideal)."""
+    from phalanx.ops import cpu
+
+    module = cpu.load(required=True)
+    shapes = [(n, k) for name, n, k in model_shapes(model) if name != "lm_head"]
+    cases = []
+    for n, k in shapes:
+        g = torch.Generator().manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+        cases.append((n, module.pack_pairs(w), {r: torch.randn(r, k, generator=g).bfloat16() for r in rows_list}))
+    print(f"\n{Path(model).name}: the GEMM over its layers' shapes, us per call (fastest of 25), wall clock\n")
+    print("| rows | 1 thread | " + f"{threads} threads | speed-up |")
+    print("|---|---|---|---|")
+    before = torch.get_num_threads()
+    try:
+        for rows in rows_list:
+            times = []
+            for t in (1, threads):
+                torch.set_num_threads(t)
+                times.append(sum(_time_us(lambda: module.gemm(xs[rows], packed, n, None, isa))  # noqa: B023
+                                 for n, packed, xs in cases))
+            print(f"| {rows} | {times[0]:.0f} | {times[1]:.0f} | {times[0] / times[1]:.2f}x |", flush=True)
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- end-to-end cost --------------------------------------------------------------------------------
 def _run(llm, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: ANN001
     from phalanx import SamplingParams
@@ -295,6 +327,12 @@ def main() -> None:
                 for model in args.models:
                     kernel_costs(model, isa, [int(r) for r in args.rows.split(",")])
             torch.set_num_threads(args.threads)
+    if "scaling" in sections:
+        os.environ["PHALANX_CPU_ISA"] = next((p for p in paths if path_name(p).startswith("GEMM")), "auto")
+        isa = cpu.gemm_isa()
+        os.environ.pop("PHALANX_CPU_ISA")
+        for model in args.models:
+            gemm_scaling(model, isa, [int(r) for r in args.rows.split(",")], args.threads)
     if "e2e" in sections:
         for model in args.models:
             e2e_costs(model, paths, args.repeats)

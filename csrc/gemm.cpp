@@ -47,8 +47,7 @@ at::Tensor pack_pairs(at::Tensor w) {
 
 namespace {
 
-constexpr int64_t kChunkRows = 96;  // rows per work item: their x stays in cache while the weights pass
-constexpr int64_t kItemBlocks = 4;  // column blocks (of 16) per work item
+constexpr int64_t kChunkRows = 96;  // at most this many rows per work item: their x stays in cache while the weights pass
 constexpr unsigned kDazFtz = 0x8040;  // MXCSR: denormals are zero (bit 6), flush to zero (bit 15)
 
 // The pair (x[m, 2p], x[m, 2p + 1]) of a row as one 32-bit word (low half: the even element), and an
@@ -295,9 +294,18 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
     xs.resize(M * KP * 2);
     split_pairs(xp, M, K, xs.data());
   }
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, groups = (NB + kItemBlocks - 1) / kItemBlocks;
+  // The rows split evenly over as few chunks as hold at most kChunkRows each: 104 rows as 52 + 52,
+  // not 96 + 8 (the threads take contiguous ranges of items, so with 96 + 8 one thread had the whole
+  // 96-row chunk and the other the 8: at 104 rows the layer took ~1.6x as long as at 96). A row's
+  // result does not depend on its chunk.
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, chunk_rows = (M + chunks - 1) / chunks;
+  // Column blocks (of 16) per work item: the AVX512-BF16 tiles take 4 at a time; the AVX2 tiles one,
+  // so there one block per item, and the threads' shares differ by a block at most (in items of 4,
+  // a layer of 36 blocks split 20 / 16: ~10 % longer than an even split).
+  const int64_t item_blocks = isa == kGemmAvx512Bf16 ? 4 : 1;
+  const int64_t groups = (NB + item_blocks - 1) / item_blocks;
   // a thread only for >= ~64K multiply-adds (a wake-up costs a few microseconds)
-  const int64_t item_work = std::min(M, kChunkRows) * kItemBlocks * 16 * K;
+  const int64_t item_work = chunk_rows * item_blocks * 16 * K;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(item_work, 1));
   at::parallel_for(0, chunks * groups, grain, [&](int64_t begin, int64_t end) {
     const unsigned csr = _mm_getcsr();
@@ -305,8 +313,8 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
     for (int64_t item = begin; item < end;) {  // items are chunk-major: merge a chunk's consecutive groups
       const int64_t c = item / groups, g0 = item % groups, g1 = std::min(groups, g0 + (end - item));
       item += g1 - g0;
-      const int64_t m0 = c * kChunkRows, rows = std::min(kChunkRows, M - m0);
-      const int64_t nb0 = g0 * kItemBlocks, nb1 = std::min(NB, g1 * kItemBlocks);
+      const int64_t m0 = c * chunk_rows, rows = std::min(chunk_rows, M - m0);
+      const int64_t nb0 = g0 * item_blocks, nb1 = std::min(NB, g1 * item_blocks);
       if (isa == kGemmAvx512Bf16) run_bf16(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
       else run_avx2(xs.data() + m0 * KP * 2, rows, KP, wp, nb0, nb1, bp, y + m0 * N, N);
     }

@@ -124,7 +124,7 @@ class EngineCore:
 
     def _execute(self, sched: SchedulerOutput, plan: StepPlan | None, t0: float) -> list[EngineCoreOutput]:
         """Run the step; `t0`: when it began (its scheduling, and in lockstep its vote, included)."""
-        drafter_before = self.runner.drafter_seconds
+        drafter_before, forward_before = self.runner.drafter_seconds, self.runner.forward_seconds
         result = self.runner.execute(sched, plan)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
@@ -134,6 +134,7 @@ class EngineCore:
             self._observe_step(t0, dict(
                 num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
+                forward_seconds=self.runner.forward_seconds - forward_before,
                 drafter_passes=result.num_drafter_passes,
                 drafter_rows=result.drafter_rows_fed,
                 num_logit_rows=len(sched.reaching_end) + num_draft_rows,

@@ -121,9 +121,10 @@ class StepFit(NamedTuple):
     first_cost: float
     pass_cost: float
     verify_cost: float = 0.0  # what verifying any drafts costs besides their rows
-    # With a profiled shape (`StepCostModel.set_profile`): the target's part of the step is
-    # scale * shape(rows, logit rows), and fixed / per_row / per_logit_row are the drafter's part
-    # alone. 0: no profile, the linear form above prices the target too.
+    # With a profiled shape (`StepCostModel.set_profile`): the target's forward and lm_head take
+    # scale * shape(rows, logit rows), and fixed / per_row / per_logit_row price the rest of the
+    # step (the drafter's part, scheduling, sampling). 0: no profile, the linear form above
+    # prices the forward too.
     scale: float = 0.0
     drafter_row: float = 0.0  # the drafter's part of a row: what a waiting catch-up costs a position
 
@@ -198,6 +199,7 @@ class StepCostModel:
         self._passes = np.zeros(window)
         self._verifies = np.zeros(window)  # 1.0 where the step verified drafts
         self._fed = np.zeros(window)  # positions the drafter's first pass fed
+        self._forward = np.zeros(window)  # seconds in the target's forward and lm_head
         self._step = np.full(window, -np.inf)  # the step count each entry was taken at; -inf: empty slot
         self._next = 0
         self._count = 0
@@ -210,9 +212,10 @@ class StepCostModel:
         """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
         target forward over `rows[i]` decode rows, `head_seconds[i]` the lm_head and greedy pick
         over as many (``ModelRunner.profile_step_curve``). The fit then scales that shape to the
-        steps near the batch size asked about (one factor: the API server's share of the cores,
-        the machine's clock, Python's per-step work) and fits only the drafter's part and the
-        verification's fixed cost as lines. Why: served, steps of the same rows vary by 10-30 %
+        forwards the steps timed near the batch size asked about (one factor: the API server's
+        share of the cores, the machine's clock) and fits only the rest of the step (the
+        drafter's part, the per-step and per-request work around the forward, the verification's
+        fixed cost) as lines. Why: served, steps of the same rows vary by 10-30 %
         (other work on the same cores), and a row's cost read from differences of a row or two
         between consecutive steps was mostly that noise. On a compute-bound CPU (AVX2, SmolLM2:
         ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load."""
@@ -243,11 +246,13 @@ class StepCostModel:
         return self._count > 0
 
     def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None) -> None:
+                num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
+                forward_seconds: float | None = None) -> None:
         """One step: `num_rows` through the target forward, `num_logit_rows` of them computing logits
         (None: all), `num_draft_rows` of those verifying drafts, `seconds` for the whole step, of which
         `drafter_seconds` in `drafter_passes` drafter passes, the first of which fed `drafter_rows`
-        positions (None: the step's rows; more where a catch-up waited, fewer where it now waits)."""
+        positions (None: the step's rows; more where a catch-up waited, fewer where it now waits),
+        and `forward_seconds` in the target's forward and lm_head (None: all but the drafter's)."""
         if num_rows <= 0 or seconds <= 0:
             return
         i = self._next
@@ -255,6 +260,8 @@ class StepCostModel:
         self._rows[i], self._seconds[i] = float(num_rows), seconds
         self._logit_rows[i] = float(num_rows if num_logit_rows is None else num_logit_rows)
         self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
+        target = max(seconds - self._drafter[i], 0.0)
+        self._forward[i] = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
         self._verifies[i] = float(num_draft_rows > 0)
         self._fed[i] = float(num_rows if drafter_rows is None else drafter_rows)
         self._step[i] = self._count
@@ -338,20 +345,28 @@ class StepCostModel:
         drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
         dv = v - np.roll(v, 1)
         if self._profile is not None:
-            # The target's part: the profiled shape times one scale, fitted near `base_rows`, and
-            # what verifying drafts at all costs besides its rows, from the step-to-step
-            # differences of what the shape leaves unexplained (prior 0).
+            # The target's forward and lm_head: the profiled shape times one scale, the ratio of
+            # what they measured near `base_rows` to what the profile says (the API server's share
+            # of the cores, the machine's clock). The rest of the step (scheduling, sampling,
+            # Python's per-step and per-request work) is a line of its own: a fixed part, a cost
+            # per row that computes logits (a request or a draft: its sampling and bookkeeping)
+            # and what verifying drafts at all costs, the last two from step-to-step differences,
+            # each shrunk towards 0. Scaling the whole step on the shape instead priced a row at
+            # up to twice its forward on a small model whose steps are half Python.
+            f = self._forward
             shape = self.shape(x, lg)  # [window]
-            level = max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
-            scale = float(mt / level)
-            verify_cost = 0.0
+            scale = float(w @ f) / max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
+            rest = t - f
+            rest_row = verify_cost = 0.0
             if total > 0:
-                rest = t - scale * shape
-                dr = rest - np.roll(rest, 1)
-                verify_cost = max(float((wd * dv) @ dr) / (float((wd * dv) @ dv) + share * self.verify_ridge), 0.0)
-                scale = float((mt - verify_cost * mv) / level)
-            return StepFit(float(drafter_fixed), float(drafter_row), float(drafter_row), float(first_cost),
-                           float(pass_cost), float(verify_cost), max(scale, 0.0), float(drafter_row))
+                dl, dr = lg - np.roll(lg, 1), rest - np.roll(rest, 1)
+                dz = np.stack([dl, dv])  # [2, window]
+                gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
+                rest_row, verify_cost = np.maximum(np.linalg.solve(gram, (dz * wd) @ dr), 0.0).tolist()
+            rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
+            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(drafter_row + rest_row),
+                           float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
+                           float(drafter_row))
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
             # The target's part against its rows, what a row that computes logits costs on top
@@ -474,14 +489,14 @@ class StepCostModel:
 
     def _profiled_cost(self, base_rows: float, num_extra: int, logit_base: float
                        ) -> tuple[list[float], float, float]:
-        """`step_cost` on the profiled shape: the target's part at base + m rows is the local scale
-        times the shape there (the shape is measured up to the largest batch, so no anchors), the
-        drafter's its line through the rows it would feed."""
+        """`step_cost` on the profiled shape: the forward at base + m rows is the local scale times
+        the shape there (the shape is measured up to the largest batch, so no anchors), the rest of
+        the step its line through the rows and logit rows."""
         f = self._cached_fit(base_rows, always=True)
         assert f is not None
         m = np.arange(num_extra + 1, dtype=np.float64)
-        rows = base_rows + m
-        times = f.scale * self.shape(rows, logit_base + m) + f.fixed + f.per_row * rows
+        rows, logits = base_rows + m, logit_base + m
+        times = f.scale * self.shape(rows, logits) + f.fixed + f.per_row * (rows - logits) + f.per_logit_row * logits
         curve = np.maximum.accumulate(np.maximum(times, 1e-6)).tolist()
         return curve, f.first_cost + f.verify_cost, f.pass_cost
 
@@ -553,9 +568,10 @@ class AdaptiveDrafting:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
 
     def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
-                     num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None) -> None:
+                     num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
+                     forward_seconds: float | None = None) -> None:
         self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows, num_draft_rows,
-                           drafter_rows)
+                           drafter_rows, forward_seconds)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

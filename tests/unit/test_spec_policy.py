@@ -552,11 +552,35 @@ def test_verifying_drafts_at_all_is_priced_apart_from_the_profiled_rows() -> Non
     costs = _profiled()
     for step in range(256):
         drafts = 4 if step % 3 == 0 else 0
-        rows = 16 + drafts
-        costs.observe(rows, 0.005 + 0.0025 * rows + (0.003 if drafts else 0.0), 0.0, 0, num_draft_rows=drafts)
+        rows = 14 + step % 5 + drafts  # requests come and go: their rows vary apart from the drafts'
+        forward = 0.005 + 0.0025 * rows
+        costs.observe(rows, forward + (0.003 if drafts else 0.0), 0.0, 0, num_draft_rows=drafts,
+                      forward_seconds=forward)
     fit = costs.fit(16)
     assert fit.verify_cost == pytest.approx(0.003, rel=0.1)
     assert fit.scale == pytest.approx(1.0, rel=0.02)
+
+
+def test_the_work_around_the_forward_is_not_scaled_with_it() -> None:
+    """A small model's served step is half Python: the forward as profiled (here slowed 1.1x by
+    the API server's share of the cores), plus 4 ms of scheduling and output handling per step and
+    50 us per request or draft. A draft row costs its forward's row (1.1 x 2.5 ms) and its 50 us,
+    not the forward's row times the whole step's ratio to the forward (~1.2x here)."""
+    rng = np.random.default_rng(7)
+    costs = _profiled()
+    for _ in range(512):
+        rows = int(rng.integers(12, 24))
+        drafts = rows - 12
+        forward = 1.1 * (0.005 + 0.0025 * rows) * rng.uniform(0.9, 1.1)
+        rest = (0.004 + 0.00005 * rows) * rng.uniform(0.8, 1.2)
+        costs.observe(rows, forward + rest, 0.0, 0, num_draft_rows=drafts, forward_seconds=forward)
+    fit = costs.fit(16)
+    assert fit.scale == pytest.approx(1.1, rel=0.03)
+    assert fit.per_logit_row == pytest.approx(0.00005, abs=0.00003)
+    curve, first, _ = costs.step_cost(16, 8)
+    assert curve[8] - curve[0] == pytest.approx(8 * (1.1 * 0.0025 + 0.00005), rel=0.08)
+    assert curve[0] == pytest.approx(1.1 * (0.005 + 0.0025 * 16) + 0.004 + 0.00005 * 16, rel=0.05)
+    assert first == pytest.approx(0.0, abs=0.001)
 
 
 def test_a_bad_profile_is_refused() -> None:

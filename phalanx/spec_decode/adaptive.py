@@ -313,9 +313,9 @@ class StepCostModel:
         t = y - d  # everything but the drafter: the target forward, sampling, scheduling
         fed = self._fed
         mx, ml, mv, mu, mq, mt, md, mf = w @ x, w @ lg, w @ v, w @ u, w @ q, w @ t, w @ d, w @ fed
-        # Priors: time ~ rows + PRIOR_FIXED_ROWS through the local means (the drafter's: rows it fed);
-        # pass 1 and each later pass at the average drafter time per pass.
-        row_prior, drafter_row_prior = mt / (mx + PRIOR_FIXED_ROWS), md / (mf + PRIOR_FIXED_ROWS)
+        # Priors: the drafter's time ~ rows it fed + PRIOR_FIXED_ROWS through the local means; pass 1
+        # and each later pass at the average drafter time per pass.
+        drafter_row_prior = md / (mf + PRIOR_FIXED_ROWS)
         ran = full & (self._passes > 0)
         wp = w[ran].sum()
         pass_prior = float(w[ran] @ (d[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
@@ -367,6 +367,7 @@ class StepCostModel:
             return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(drafter_row + rest_row),
                            float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
                            float(drafter_row))
+        row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
             # The target's part against its rows, what a row that computes logits costs on top
@@ -553,9 +554,8 @@ class AdaptiveDrafting:
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
         self._decisions += 1
-        lags = lags if lags is not None else [0] * len(req_ids)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
-            waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0)
+            waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0
             deep = step_rate(rates, caps, step_cost, pass_cost, first_cost, catch_up)
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):

@@ -252,9 +252,9 @@ class ModelRunner:
         (the fastest of `repeats` runs each up to 64 rows, one run above, after one warm-up run
         of each up to 16 rows: ~1.5 s for SmolLM2 on 2 AVX2 cores): the shape of step time against
         rows that the adaptive policy prices drafts on, measured before serving, while nothing
-        else runs (its online fit scales it to what the steps measure). Call it before any request holds blocks: the rows
-        write throw-away KV into the first blocks. Not under expert parallelism (the forward's
-        collectives would have no partners on the other ranks)."""
+        else runs (its online fit scales it to the forwards the steps time). Call it before any
+        request holds blocks: the rows write throw-away KV into the first blocks. Not under expert
+        parallelism (the forward's collectives would have no partners on the other ranks)."""
         if self.expert_shard is not None:
             raise RuntimeError("profile_step_curve runs the forward alone: not under expert parallelism")
         nb = max(min((context + 1 + self.block_size - 1) // self.block_size, self.num_blocks), 1)

@@ -96,7 +96,7 @@ def path_name(path: str) -> str:
         isa = cpu.gemm_isa()
     finally:
         os.environ.pop("PHALANX_CPU_ISA", None)
-    return {2: "GEMM avx512_bf16", 1: "GEMM avx2"}.get(isa) or (
+    return {3: "GEMM amx", 2: "GEMM avx512_bf16", 1: "GEMM avx2"}.get(isa) or (
         "oneDNN" if onednn_bf16_supported() else "F.linear (no oneDNN bf16 on this CPU)")
 
 
@@ -163,7 +163,7 @@ def kernel_costs(model: str, isa: int, rows_list: list[int]) -> None:
         g = torch.Generator().manual_seed(n + k)
         w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
         ref_w = torch.ops.mkldnn._reorder_linear_weight(w) if onednn else w.float()
-        pairs = module.pack_pairs(w)
+        pairs = module.pack_pairs(w, isa)
         cells = []
         for rows in rows_list:
             if name == "lm_head" and rows > 64:  # logits are computed for sampled rows only
@@ -197,7 +197,7 @@ def gemm_scaling(model: str, isa: int, rows_list: list[int], threads: int) -> No
     for n, k in shapes:
         g = torch.Generator().manual_seed(n + k)
         w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
-        cases.append((n, module.pack_pairs(w), {r: torch.randn(r, k, generator=g).bfloat16() for r in rows_list}))
+        cases.append((n, module.pack_pairs(w, isa), {r: torch.randn(r, k, generator=g).bfloat16() for r in rows_list}))
     print(f"\n{Path(model).name}: the GEMM over its layers' shapes, us per call (fastest of 25), wall clock\n")
     print("| rows | 1 thread | " + f"{threads} threads | speed-up |")
     print("|---|---|---|---|")

@@ -10,10 +10,10 @@ Does not own: the GEMM kernels (csrc/gemm.cpp, ``ops.cpu``), loading weights (th
 would change the fp32 parity paths).
 
 Which GEMM (``ops.cpu.gemm_isa``, once per layer at load): by default the kernels' own bf16 GEMM
-(AVX512-BF16, or AVX2 + FMA below it), which sums every output in one fixed order that does not
-depend on the number of rows in the call, so a request's logits are bitwise the same alone or
-batched, chunked or whole, verified in a speculative step or decoded plainly (csrc/gemm.cpp states
-the order). Without those kernels (``PHALANX_KERNELS=torch``, no compiler, a CPU below AVX2) or with
+(AMX tiles where the CPU has them, else AVX512-BF16, else AVX2 + FMA), which sums every output in
+one fixed order that does not depend on the number of rows in the call, so a request's logits are
+bitwise the same alone or batched, chunked or whole, verified in a speculative step or decoded
+plainly (csrc/gemm.cpp states the orders: the AMX tiles' differs from the other two paths'). Without those kernels (``PHALANX_KERNELS=torch``, no compiler, a CPU below AVX2) or with
 ``PHALANX_CPU_ISA=onednn``, oneDNN's packed linear serves (what vLLM's CPU backend uses): its kernel
 and so its summation order change with the row count, and with the CPU (AMX tiles where present),
 so bf16 results are not batch-invariant there. On a CPU where oneDNN cannot pack bf16 weights
@@ -83,9 +83,9 @@ def prepack_supported(dtype: torch.dtype, isa: int | None = None) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W packed once for its GEMM path `isa` (``ops.cpu.gemm_isa``): 2 / 1 the
-    kernels' batch-invariant GEMM on AVX512-BF16 / AVX2 (W in `pack_pairs` layout), 0 oneDNN's
-    packed linear (W in oneDNN's blocked layout). Any leading dims."""
+    """y = x W^T + b with W packed once for its GEMM path `isa` (``ops.cpu.gemm_isa``): 3 / 2 / 1 the
+    kernels' batch-invariant GEMM on AMX / AVX512-BF16 / AVX2 (W in `pack_pairs` layout for that
+    path), 0 oneDNN's packed linear (W in oneDNN's blocked layout). Any leading dims."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: int | None = None) -> None:
         super().__init__()
@@ -95,7 +95,7 @@ class PackedLinear(nn.Module):
         self._gemm = None
         if self.isa:
             module = cpu_ops.load(required=True)
-            self.packed = module.pack_pairs(weight.detach())  # [ceil(N / 16), ceil(K / 2), 16, 2]
+            self.packed = module.pack_pairs(weight.detach(), self.isa)  # [ceil(N / 16), pairs, 16, 2]
             self._gemm = module.gemm
         elif onednn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -119,7 +119,7 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        path = {2: "avx512_bf16", 1: "avx2", 0: "onednn"}.get(self.isa, str(self.isa))
+        path = {3: "amx", 2: "avx512_bf16", 1: "avx2", 0: "onednn"}.get(self.isa, str(self.isa))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, gemm={path}")
 

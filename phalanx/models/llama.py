@@ -137,7 +137,7 @@ class FusedParts(NamedTuple):
     widths: list[int]  # their out features
     heads: list[int]  # [num_heads, num_kv_heads, head_dim]
     scale: float
-    isa: int  # the linears' GEMM path (PackedLinear.isa: 2 / 1 the kernels' GEMM, 0 oneDNN)
+    isa: int  # the linears' GEMM path (PackedLinear.isa: 3 / 2 / 1 the kernels' GEMM, 0 oneDNN)
     rotary: RotaryEmbedding
 
     def layer_args(self) -> tuple:

@@ -240,17 +240,19 @@ def decode_attention(
     return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
 
 
-# PHALANX_CPU_ISA names -> the GEMM's path ids (csrc/gemm.h), best first. "onednn" selects oneDNN's
-# packed linear (not batch-invariant) for every bf16 linear.
-GEMM_ISAS = {"avx512_bf16": 2, "avx2": 1}
+# PHALANX_CPU_ISA names -> the GEMM's path ids (csrc/gemm.h), best first (a cap: "avx512_bf16" on an
+# AMX CPU takes its AVX512-BF16 path). "onednn" selects oneDNN's packed linear (not batch-invariant)
+# for every bf16 linear.
+GEMM_ISAS = {"amx": 3, "avx512_bf16": 2, "avx2": 1}
 ISA_CHOICES = ("auto", *GEMM_ISAS, "onednn")
 
 
 def gemm_isa() -> int:
     """The path every bf16 linear takes (``layers.linear.PackedLinear``): the kernels' batch-invariant
-    GEMM on AVX512-BF16 (2) or AVX2 + FMA (1), the best this build has at or below
+    GEMM on AMX tiles (3), AVX512-BF16 (2) or AVX2 + FMA (1), the best this build has at or below
     ``PHALANX_CPU_ISA`` (auto: the best), or 0 — oneDNN's packed linear — when the kernels are off
-    or cannot build, the CPU has neither, or ``PHALANX_CPU_ISA=onednn``."""
+    or cannot build, the CPU has none of them, or ``PHALANX_CPU_ISA=onednn``. AMX sums in an order
+    of its own (csrc/gemm.cpp): batch-invariant like the others, not the same bits as them."""
     cap = os.environ.get("PHALANX_CPU_ISA", "auto").strip().lower() or "auto"
     if cap not in ISA_CHOICES:
         raise ValueError(f"PHALANX_CPU_ISA={cap!r} is not valid; valid: {', '.join(ISA_CHOICES)}")

@@ -5,7 +5,8 @@ lockstep with padding.
 
 It holds because every reduction sums each row in one order of its own (csrc/gemm.cpp for the
 linears, the logits head and the experts; the attention, norm and elementwise kernels), so it is
-tested where those kernels serve: bf16 with the C++ kernels and a GEMM path (AVX512-BF16 or AVX2).
+tested where those kernels serve: bf16 with the C++ kernels and a GEMM path (AMX, AVX512-BF16 or
+AVX2), on the CPU's default path and, end to end, on each other path it has.
 The random model has the small logits of a random init (std 0.02, no rescaled head), so near-ties
 are everywhere and any order difference between two runs flips tokens (oneDNN's row-count-dependent
 order does: see docs/batch-invariance.md). Every case runs greedy and seeded sampling requests side
@@ -27,8 +28,9 @@ from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
 
 pytestmark = pytest.mark.skipif(
     cpu_ops.gemm_isa() == 0,
-    reason="bf16 batch invariance needs the C++ kernels' GEMM (a compiler, and AVX2 + FMA or AVX512-BF16)",
+    reason="bf16 batch invariance needs the C++ kernels' GEMM (a compiler, and AVX2 + FMA, AVX512-BF16 or AMX)",
 )
+DEFAULT_PATH = cpu_ops.gemm_isa()
 
 NEW_TOKENS = 20
 LENS = [3, 17, 40, 9, 1, 25, 52, 5]
@@ -110,16 +112,36 @@ def test_mixed_batch(models: dict[str, Path], alone: list) -> None:
     _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "batched")
 
 
-def test_the_avx2_path_gives_the_same_tokens(models: dict[str, Path], alone: list,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMM's AVX2 path (what a CPU without AVX512-BF16 runs) computes the default path's bits:
-    the batch on it equals each request alone on the default path."""
-    monkeypatch.setenv("PHALANX_CPU_ISA", "avx2")
-    if cpu_ops.gemm_isa() != cpu_ops.GEMM_ISAS["avx2"]:
-        pytest.skip("this CPU has no AVX2 + FMA")
+@pytest.fixture(scope="module")
+def alone_shared_order(models: dict[str, Path], alone: list) -> list[tuple[list[int], list]]:
+    """Each request alone in the order the AVX512-BF16 and AVX2 paths share: `alone` itself, unless
+    the default path is AMX (its tiles sum in an order of their own); then alone on AVX512-BF16."""
+    if DEFAULT_PATH != cpu_ops.GEMM_ISAS["amx"]:
+        return alone
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PHALANX_CPU_ISA", "avx512_bf16")
+        llm = _llm(models["target"], enable_prefix_caching=False)
+        assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["avx512_bf16"]
+        return [_results(llm.generate(p, s, use_tqdm=False))[0] for p, s in zip(_prompts(), _params())]
+
+
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx2"])
+def test_the_other_paths_give_their_orders_tokens(path: str, models: dict[str, Path], alone_shared_order: list,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM's AVX512-BF16 and AVX2 paths (what CPUs without AMX, or without AVX512-BF16, run)
+    share one order: a batch on either equals each request alone in that order. On an AMX CPU this
+    runs its non-AMX paths end to end (their lone reference on AVX512-BF16); on an AVX512-BF16 CPU
+    the AVX2 path against the default's lone runs."""
+    monkeypatch.setenv("PHALANX_CPU_ISA", path)
+    isa = cpu_ops.GEMM_ISAS[path]
+    if cpu_ops.gemm_isa() != isa:
+        pytest.skip(f"this CPU has no {path} path")
+    if isa == DEFAULT_PATH:
+        pytest.skip(f"{path} is this CPU's default path: test_mixed_batch covers it")
     llm = _llm(models["target"], enable_prefix_caching=False)
-    assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["avx2"]
-    _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "batched on AVX2")
+    assert llm.engine.runner.model.lm_head.isa == isa
+    _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone_shared_order,
+                 f"batched on {path}")
 
 
 def test_chunked_prefill(models: dict[str, Path], alone: list) -> None:

@@ -483,13 +483,14 @@ def test_the_portable_build_compiles_and_agrees(kernel) -> None:
     for x in (logits, logits.bfloat16()):
         assert torch.equal(portable.argmax_rows(x), kernel.argmax_rows(x))
     w = _bf16((40, 33), 8)
-    assert torch.equal(portable.pack_pairs(w), kernel.pack_pairs(w))
+    assert torch.equal(portable.pack_pairs(w, 1), kernel.pack_pairs(w, 1))
     assert portable.gemm_isas() == []  # no AVX2 + FMA: bf16 linears stay on oneDNN there
 
 
 def test_the_avx2_build_computes_what_this_one_does(kernel) -> None:
     """A CPU with AVX2 + FMA but no AVX-512 (-march=haswell here) builds the GEMM's AVX2 path only,
-    and it gives the bits this build's best path gives (the paths share one summation order)."""
+    and it gives the bits this build's best non-AMX path gives (the paths share one summation order;
+    the AMX tiles have their own)."""
     if not kernel.gemm_isas():
         pytest.skip("this CPU has no AVX2 + FMA: the haswell build could not run here")
     if "avx512f" not in _cpu_flags():
@@ -497,9 +498,10 @@ def test_the_avx2_build_computes_what_this_one_does(kernel) -> None:
     avx2 = cpu_ops.build(name="phalanx_cpu_ops_avx2", march="haswell", variant="haswell")
     assert avx2.gemm_isas() == [cpu_ops.GEMM_ISAS["avx2"]]
     w, x, b = _bf16((300, 577), 1), _bf16((40, 577), 2), _bf16((300,), 3)
-    packed = kernel.pack_pairs(w)
-    assert torch.equal(avx2.pack_pairs(w), packed)
-    assert torch.equal(avx2.gemm(x, packed, 300, b, 1), kernel.gemm(x, packed, 300, b, kernel.gemm_isas()[0]))
+    packed = kernel.pack_pairs(w, 1)
+    assert torch.equal(avx2.pack_pairs(w, 1), packed)
+    best = next(i for i in kernel.gemm_isas() if i != cpu_ops.GEMM_ISAS["amx"])
+    assert torch.equal(avx2.gemm(x, packed, 300, b, 1), kernel.gemm(x, packed, 300, b, best))
     q, cache, table, visible = _case(3, seqs=3, qlen=2, kvh=2, group=2, head_dim=64, block_size=16, max_len=150,
                                      dtype=torch.bfloat16)
     got = avx2.decode_attention(q, cache, table, visible, 0.125)

@@ -147,7 +147,7 @@ class PackedEmbedding(nn.Module):
     def __init__(self, head: PackedLinear) -> None:
         super().__init__()
         if not head.isa:
-            raise ValueError("PackedEmbedding needs a head packed for the kernels' GEMM (isa 1 or 2), "
+            raise ValueError("PackedEmbedding needs a head packed for the kernels' GEMM (isa 1, 2 or 3), "
                              f"got isa {head.isa} (oneDNN's layout cannot be read back)")
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self._head = (head,)  # not a submodule: the logits head owns the table

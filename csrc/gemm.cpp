@@ -324,13 +324,13 @@ void configure_amx(int r0, int r1) {
 // stores with non-temporal writes, so the stores do not first read each output line from memory.
 struct AmxRun {
   const uint16_t* x;
-  int64_t ldx, KB;
+  int64_t ldx, KB;  // x's row stride (elements); K steps of 32
   const uint16_t* w;
-  int64_t KP;
+  int64_t KS;  // pairs from one column block of w to the next (KB * kAmxPairs)
   const float* bias;
   uint16_t* y;
   int64_t N;
-  bool stream;
+  bool stream;  // non-temporal stores of whole output lines
 
   struct Pending {  // a finished group waiting to be rounded and stored
     alignas(64) float acc[4][16][16];  // [2 i + j]: row tile i, block j
@@ -339,7 +339,8 @@ struct AmxRun {
     int r0 = 0, r1 = 0, blocks = 0;
   } pending;
 
-  // Rows [a, b) of the pending group (row q: tile q / r0 ... as counted over both row tiles).
+  // Rows [a, b) of the pending group, counted over both row tiles (q < r0: row q of tile 0; else row
+  // q - r0 of tile 1): each rounded (after its bias) and stored.
   void store_rows(int a, int b) {
     const Pending& p = pending;
     const int64_t n0 = p.nb * 16;
@@ -382,8 +383,8 @@ struct AmxRun {
     if constexpr (B2) _tile_zero(1);
     if constexpr (R2) _tile_zero(2);
     if constexpr (R2 && B2) _tile_zero(3);
-    const uint16_t* w0 = w + nb * KP * 32;
-    const uint16_t* w1 = w0 + KP * 32;
+    const uint16_t* w0 = w + nb * KS * 32;
+    const uint16_t* w1 = w0 + KS * 32;
     const int64_t stride = ldx * 2;
     const int waiting = pending.y ? pending.r0 + pending.r1 : 0;
     for (int64_t kb = 0; kb < KB; ++kb) {
@@ -443,7 +444,7 @@ struct AmxRun {
   const uint16_t* x;
   int64_t ldx, KB;
   const uint16_t* w;
-  int64_t KP;
+  int64_t KS;
   const float* bias;
   uint16_t* y;
   int64_t N;
@@ -510,7 +511,8 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
   }
   const uint16_t* xa = x_padded.empty() ? xp : x_padded.data();
   // The rows split evenly over as few chunks as hold at most kChunkRows each (kAmxChunkRows on the
-  // AMX path, whose tiles go through rows ~10x faster, so a chunk's x can be larger): 104 rows as 52 + 52,
+  // AMX path: its tiles go through a chunk ~10x faster, and each chunk reads all the weights once
+  // more, so its chunks are larger; 256 rows of x still fit a core's L2): 104 rows as 52 + 52,
   // not 96 + 8 (the threads take contiguous ranges of items, so with 96 + 8 one thread had the whole
   // 96-row chunk and the other the 8: at 104 rows the layer took ~1.6x as long as at 96). A row's
   // result does not depend on its chunk.

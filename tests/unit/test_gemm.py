@@ -133,9 +133,9 @@ def test_a_rows_result_is_the_same_for_every_row_count_and_thread_count(isa: int
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("n", [1024, 1040])
 def test_a_large_output_follows_the_order(isa: int, n: int) -> None:
-    """Outputs of 4 MiB and more: the AMX path writes them past the caches (whole 64-byte lines,
-    N a multiple of 32; with N = 1040 the last lines are partial and stored as usual) — the same
-    bits as the order, and as the rows computed alone."""
+    """Outputs of 4 MiB and more: the AMX path writes them past the caches in whole 64-byte lines
+    when N is a multiple of 32 (N = 1024; with N = 1040 it stores as usual) — the same bits as the
+    order, and as the rows computed alone."""
     module = _kernel()
     w, x, b = _case(n, 64, 2048, n, True)
     packed = module.pack_pairs(w, isa)
@@ -146,7 +146,8 @@ def test_a_large_output_follows_the_order(isa: int, n: int) -> None:
 
 def test_the_avx2_and_avx512_bf16_paths_compute_the_same_bits() -> None:
     """The AVX2 path emulates the AVX512-BF16 dot product's steps: the same results, so ranks on
-    CPUs with and without AVX512-BF16 agree (when an AMX CPU runs its AVX512-BF16 path)."""
+    CPUs with and without AVX512-BF16 agree (an AMX CPU agrees with them on its AVX512-BF16 path,
+    PHALANX_CPU_ISA=avx512_bf16)."""
     module = _kernel()
     if not {AVX512_BF16, AVX2} <= set(module.gemm_isas()):
         pytest.skip("needs both paths: a CPU with AVX512-BF16")

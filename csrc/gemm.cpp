@@ -315,8 +315,9 @@ void configure_amx(int r0, int r1) {
   _tile_loadconfig(&cfg);
 }
 
-// One thread's AMX work on one call: rows of x (ldx elements apart, K zero-padded to KB steps of 32)
-// against column blocks of W, two blocks and up to 32 rows (two row tiles) per tile group.
+// One thread's AMX work on a range of rows and column blocks: rows of x (ldx elements apart, K
+// zero-padded to KB steps of 32) against column blocks of W, two blocks and up to 32 rows (two row
+// tiles) per tile group.
 //
 // A group's accumulators are rounded and stored while the next group's tiles run (`pending`,
 // spread over its K steps): the tile unit works on its own, so the core's rounding and stores
@@ -333,6 +334,7 @@ struct AmxRun {
   bool stream;  // non-temporal stores of whole output lines
 
   struct Pending {  // a finished group waiting to be rounded and stored
+    Pending() {}  // acc left unset (4 KB): `group` stores every tile it reads back
     alignas(64) float acc[4][16][16];  // [2 i + j]: row tile i, block j
     uint16_t* y = nullptr;  // its first row's output
     int64_t nb = 0;
@@ -434,23 +436,20 @@ struct AmxRun {
   }
 };
 
+// Rows [m0, m1) against column blocks [nb0, nb1) on this thread's tiles (see AmxRun).
+void run_amx(const uint16_t* x, int64_t ldx, int64_t KB, const uint16_t* w, int64_t KS, const float* bias, uint16_t* y,
+             int64_t N, bool stream, int64_t m0, int64_t m1, int64_t nb0, int64_t nb1) {
+  AmxRun{x, ldx, KB, w, KS, bias, y, N, stream}.run(m0, m1, nb0, nb1);
+}
+
 void release_amx() {
   _mm_sfence();  // the non-temporal stores are ordered before the caller reads the output
   _tile_release();
 }
 #else
 bool amx_granted() { return false; }
-struct AmxRun {
-  const uint16_t* x;
-  int64_t ldx, KB;
-  const uint16_t* w;
-  int64_t KS;
-  const float* bias;
-  uint16_t* y;
-  int64_t N;
-  bool stream;
-  void run(int64_t, int64_t, int64_t, int64_t) {}
-};
+void run_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, bool, int64_t,
+             int64_t, int64_t, int64_t) {}
 void release_amx() {}
 #endif
 
@@ -529,7 +528,6 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
   // the AMX path streams an output larger than the caches past them (whole 64-byte lines only)
   const bool stream = M * N * 2 >= kAmxStreamBytes && N % 32 == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
   at::parallel_for(0, chunks * groups, grain, [&](int64_t begin, int64_t end) {
-    AmxRun amx{xa, ldx, KS / kAmxPairs, wp, KS, bp, y, N, stream};
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | kDazFtz);
     for (int64_t item = begin; item < end;) {  // items are chunk-major: merge a chunk's consecutive groups
@@ -537,7 +535,7 @@ at::Tensor gemm(at::Tensor x, const at::Tensor& packed, int64_t N, const std::op
       item += g1 - g0;
       const int64_t m0 = c * chunk_rows, rows = std::min(chunk_rows, M - m0);
       const int64_t nb0 = g0 * item_blocks, nb1 = std::min(NB, g1 * item_blocks);
-      if (isa == kGemmAmx) amx.run(m0, m0 + rows, nb0, nb1);
+      if (isa == kGemmAmx) run_amx(xa, ldx, KS / kAmxPairs, wp, KS, bp, y, N, stream, m0, m0 + rows, nb0, nb1);
       else if (isa == kGemmAvx512Bf16) run_bf16(xp + m0 * K, rows, K, wp, KP, nb0, nb1, bp, y + m0 * N, N);
       else run_avx2(xs.data() + m0 * KP * 2, rows, KP, wp, nb0, nb1, bp, y + m0 * N, N);
     }

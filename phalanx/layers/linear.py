@@ -13,7 +13,8 @@ Which GEMM (``ops.cpu.gemm_isa``, once per layer at load): by default the kernel
 (AMX tiles where the CPU has them, else AVX512-BF16, else AVX2 + FMA), which sums every output in
 one fixed order that does not depend on the number of rows in the call, so a request's logits are
 bitwise the same alone or batched, chunked or whole, verified in a speculative step or decoded
-plainly (csrc/gemm.cpp states the orders: the AMX tiles' differs from the other two paths'). Without those kernels (``PHALANX_KERNELS=torch``, no compiler, a CPU below AVX2) or with
+plainly (csrc/gemm.cpp states the orders: the AMX tiles' differs from the other two paths').
+Without those kernels (``PHALANX_KERNELS=torch``, no compiler, a CPU below AVX2) or with
 ``PHALANX_CPU_ISA=onednn``, oneDNN's packed linear serves (what vLLM's CPU backend uses): its kernel
 and so its summation order change with the row count, and with the CPU (AMX tiles where present),
 so bf16 results are not batch-invariant there. On a CPU where oneDNN cannot pack bf16 weights

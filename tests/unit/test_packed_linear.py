@@ -26,6 +26,7 @@ from phalanx.layers.linear import (
 from phalanx.layers.moe import SparseMoE
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
+from tests.cpu_flags import cpu_flags
 from tests.tiny_models import make_eagle_head, make_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16), reason="PyTorch built without oneDNN")
@@ -193,9 +194,8 @@ def test_the_onednn_path_on_an_amx_cpu_capped_below_amx() -> None:
     import sys
 
     _onednn_path()
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        if " amx_bf16" not in f.read():
-            pytest.skip("this CPU has no AMX: oneDNN already runs its AVX512-BF16 (or lower) path here")
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AMX: oneDNN already runs its AVX512-BF16 (or lower) path here")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k",

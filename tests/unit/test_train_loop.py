@@ -7,6 +7,7 @@ import torch
 
 from phalanx.training import loop as loop_mod
 from phalanx.training.loop import LoopConfig, TrainLoop
+from tests.cpu_flags import cpu_flags
 
 
 def _run(bf16: bool) -> list[bool]:
@@ -34,9 +35,7 @@ def test_bf16_autocast_only_where_the_cpu_is_fast(monkeypatch, fast):
 
 def test_fast_bf16_means_avx512_or_better():
     """oneDNN's bf16 kernels start at AVX-512 (BW/VL/DQ); an AVX2-only CPU trains in float32."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
+    flags = cpu_flags()
+    if not flags:
         pytest.skip("no /proc/cpuinfo flags")
     assert loop_mod.bf16_autocast_fast() == ({"avx512bw", "avx512vl", "avx512dq"} <= flags)

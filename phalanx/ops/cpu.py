@@ -9,7 +9,8 @@ bindings.cpp (the Python module).
 Owns: building / loading that module (`load`, `build`), the backend choice (``PHALANX_KERNELS``),
 `decode_attention` (the paged attention's decode group and prefill chunks), `argmax` (greedy tokens
 from the logits), `gemm_isa` (which GEMM path bf16 linears take, ``PHALANX_CPU_ISA``; used by
-``layers.linear.PackedLinear``) and `attach` (hands the module to the layers that use the
+``layers.linear.PackedLinear``), `cpu_flags` (the CPU's feature flags from /proc/cpuinfo, which
+also tag the build) and `attach` (hands the module to the layers that use the
 elementwise ops: RMSNorm, residual add + RMSNorm, rotary, SiLU-and-multiply). The one-call layer
 (``models.llama.DecoderLayer``) and the drafting chains (``models.eagle``, ``models.llama.CausalLM``
 as a draft model) call the module directly.
@@ -55,6 +56,7 @@ decode attention checks it per forward.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -109,13 +111,28 @@ def source_paths() -> list[Path]:
     return paths
 
 
+@functools.cache
+def _flags_line() -> str | None:
+    """The first processor's ``flags`` line of /proc/cpuinfo ("" without one, None where the file
+    cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where /proc/cpuinfo has none)."""
+    line = _flags_line() or ""
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def _cpu_tag() -> str:
     """A short hash of the CPU's feature flags: the build uses -march=native, so a cache shared
     between different machines (a network home) must not hand one CPU another's binary."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
+    flags = _flags_line()
+    if flags is None:
         import platform
 
         flags = platform.processor() or platform.machine()

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from phalanx.attention.torch_paged import _decode_group_attention
 from phalanx.ops import cpu as cpu_ops
-from tests.cpu_flags import cpu_flags
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,7 @@ def _attention_kernel_builds(kernel) -> list:
     """(name, module) of every register-tiled bf16 attention this CPU can run: this build's, and the
     AVX2 build (-march=haswell) where this CPU has AVX-512 too."""
     builds = [("native", kernel)]
-    if {"avx512f", "avx2", "fma"} <= cpu_flags():
+    if {"avx512f", "avx2", "fma"} <= cpu_ops.cpu_flags():
         builds.append(("haswell", cpu_ops.build(name="phalanx_cpu_ops_avx2", march="haswell", variant="haswell")))
     return builds
 
@@ -198,7 +197,7 @@ def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len
     want = _tiled_reference(q, cache, table, visible, head_dim**-0.5)
     ran = 0
     for name, module in _attention_kernel_builds(kernel):
-        if name == "native" and "avx512_bf16" in cpu_flags():
+        if name == "native" and "avx512_bf16" in cpu_ops.cpu_flags():
             continue  # the AVX512-BF16 task: the same order by design, compared with the haswell build below
         got = module.decode_attention_f32(q, cache, table, visible, head_dim**-0.5)  # every float32 bit
         assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {got.numel()} elements differ"
@@ -237,7 +236,7 @@ def test_silu_mul_avx2_is_its_order_bit_for_bit(kernel, rows, inter) -> None:
     want = torch.from_numpy(_silu_mul_model(gate, up)).bfloat16()
     ran = 0
     for name, module in _attention_kernel_builds(kernel):
-        if name == "native" and "avx512f" in cpu_flags():
+        if name == "native" and "avx512f" in cpu_ops.cpu_flags():
             continue  # the AVX-512 steps: the same by design, compared through the haswell build's
         got = module.silu_mul(gu)
         assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {got.numel()} differ"
@@ -486,7 +485,7 @@ def test_the_avx2_build_computes_what_this_one_does(kernel) -> None:
     the AMX tiles have their own)."""
     if not kernel.gemm_isas():
         pytest.skip("this CPU has no AVX2 + FMA: the haswell build could not run here")
-    if "avx512f" not in cpu_flags():
+    if "avx512f" not in cpu_ops.cpu_flags():
         pytest.skip("this CPU has no AVX-512: its own build is an AVX2 build (the order tests check it)")
     avx2 = cpu_ops.build(name="phalanx_cpu_ops_avx2", march="haswell", variant="haswell")
     assert avx2.gemm_isas() == [cpu_ops.GEMM_ISAS["avx2"]]

@@ -26,7 +26,6 @@ from phalanx.layers.linear import (
 from phalanx.layers.moe import SparseMoE
 from phalanx.models.llama import CausalLM
 from phalanx.ops import cpu as cpu_ops
-from tests.cpu_flags import cpu_flags
 from tests.tiny_models import make_eagle_head, make_model
 
 pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16), reason="PyTorch built without oneDNN")
@@ -194,7 +193,7 @@ def test_the_onednn_path_on_an_amx_cpu_capped_below_amx() -> None:
     import sys
 
     _onednn_path()
-    if "amx_bf16" not in cpu_flags():
+    if "amx_bf16" not in cpu_ops.cpu_flags():
         pytest.skip("this CPU has no AMX: oneDNN already runs its AVX512-BF16 (or lower) path here")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from phalanx.ops.cpu import cpu_flags
 from phalanx.training import loop as loop_mod
 from phalanx.training.loop import LoopConfig, TrainLoop
-from tests.cpu_flags import cpu_flags
 
 
 def _run(bf16: bool) -> list[bool]:

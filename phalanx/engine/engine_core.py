@@ -8,10 +8,13 @@ Does not own: text (the front end's ``output_processor``), processes and sockets
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from typing import TextIO
 
 from phalanx.config import EngineConfig, ModelConfig
-from phalanx.core.outputs import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from phalanx.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from phalanx.core.scheduler import Scheduler
 from phalanx.distributed.group import DPGroup
 from phalanx.distributed.vote import StepPlan, decide, depth_counts, local_row
@@ -26,6 +29,9 @@ def logit_share(model: ModelConfig) -> float:
     head = model.vocab_size * model.hidden_size
     return head / max(model.active_parameters() - head, 1)
 
+
+# Debugging aid: a path; every engine process appends one JSON line per step to PATH.<pid> (`_log_step`).
+STEP_LOG_ENV = "PHALANX_DEBUG_STEP_LOG"
 
 # The adaptive policy's step-time profile runs batches of up to this many rows (beyond: extrapolated).
 PROFILE_MAX_ROWS = 256
@@ -69,6 +75,8 @@ class EngineCore:
         self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        path = os.environ.get(STEP_LOG_ENV)
+        self._step_log: TextIO | None = open(f"{path}.{os.getpid()}", "a", buffering=1) if path else None  # noqa: SIM115
 
     @property
     def max_model_len(self) -> int:
@@ -129,6 +137,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        if self._step_log is not None:
+            self._log_step(sched, result, outputs, t0, forward_before, drafter_before)
         if self.adaptive is not None:
             num_draft_rows = sum(len(d) for d in sched.scheduled_spec_tokens.values())
             self._observe_step(t0, dict(
@@ -141,6 +151,25 @@ class EngineCore:
                 num_draft_rows=num_draft_rows,
             ))
         return outputs
+
+    def _log_step(self, sched: SchedulerOutput, result: ModelRunnerOutput, outputs: list[EngineCoreOutput],
+                  t0: float, forward_before: float, drafter_before: float) -> None:
+        """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
+        (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
+        tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
+        `passes` the drafter passes run for the next step and `drafter_rows` the positions its first
+        fed, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
+        the tokens the step emitted. What tells where a step's time goes, per batch shape."""
+        assert self._step_log is not None
+        self._step_log.write(json.dumps({
+            "t0": t0, "t1": time.perf_counter(), "rows": sched.total_num_scheduled_tokens,
+            "reqs": len(sched.num_scheduled_tokens),
+            "drafts": sum(len(d) for d in sched.scheduled_spec_tokens.values()),
+            "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,
+            "forward": self.runner.forward_seconds - forward_before,
+            "drafter": self.runner.drafter_seconds - drafter_before,
+            "tokens": sum(len(o.new_token_ids) for o in outputs),
+        }) + "\n")
 
     def _observe_step(self, t0: float, step: dict) -> None:
         """Give the adaptive policy the previous step, timed from its start to this one's when the

@@ -32,6 +32,12 @@ SMALL_PROBLEM = 128
 # pass's costs keep being measured: a policy settled on one pass would otherwise never see what a
 # second costs, and would keep the prior's (an upper bound) for good.
 EXPLORE_EVERY = 16
+# An exploration the model predicts to cost more than this share of the step's tokens per second
+# (the row crosses an edge of the GEMM's row tiles: on AMX the 33rd row of a batch costs ~14 % of a
+# 32-row forward) runs only every COSTLY_EXPLORE_EVERY decisions: it still measures what the model
+# may have wrong (the pass, the rest of the step), at a quarter of the rate.
+EXPLORE_MARGIN = 0.95
+COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # Every this many decisions every request drafts its cap, if the policy chose less and the model
 # predicts that within WIDE_EXPLORE_MARGIN of the choice's tokens per second: while the policy
 # drafts little, the batch at its deepest (its verification rows, every pass) is measured by
@@ -40,6 +46,12 @@ EXPLORE_EVERY = 16
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
+# Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
+# is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load
+# of the weights), so time jumps just past each multiple of 16 and most past each multiple of 32
+# (SmolLM2's forward: 15.1 / 17.6 / 19.7 ms at 32 / 33 / 48 rows); both sides of each such edge are
+# measured, or interpolating from 32 to 48 would price the 33rd row at ~0.3 ms instead of ~2.5.
+PROFILE_ROWS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.
@@ -561,7 +573,12 @@ class AdaptiveDrafting:
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
                 return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
-            explore(lengths, caps, lags)
+            explored = list(lengths)
+            explore(explored, caps, lags)
+            if (self._decisions % COSTLY_EXPLORE_EVERY == 0
+                    or step_rate(rates, explored, step_cost, pass_cost, first_cost)
+                    >= EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost)):
+                return explored
         return lengths
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:

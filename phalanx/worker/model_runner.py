@@ -34,6 +34,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
+from phalanx.spec_decode.adaptive import PROFILE_ROWS
 from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
@@ -245,12 +246,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_curve(
-        self, max_rows: int, context: int = 64, repeats: int = 2
+        self, max_rows: int, context: int = 64, repeats: int = 3
     ) -> tuple[list[int], list[float], list[float]]:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
-        ones) and of the lm_head with greedy picks over r rows, for r on a grid up to `max_rows`
-        (the fastest of `repeats` runs each up to 64 rows, one run above, after one warm-up run
-        of each up to 16 rows: ~1.5 s for SmolLM2 on 2 AVX2 cores): the shape of step time against
+        ones) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
+        to `max_rows` (the fastest of `repeats` runs each, after one warm-up run of each: ~2.5 s for
+        SmolLM2 on 2 AMX cores). Single runs are not to be trusted: a run that gets fresh pages for
+        its buffers from the kernel pays for faulting them in (~9 us a 4 KB page on a VM here: the
+        lm_head over 192 rows took 45 ms instead of 6 in every other call), and glibc's allocator
+        keeps or returns freed buffers by turns. It is the shape of step time against
         rows that the adaptive policy prices drafts on, measured before serving, while nothing
         else runs (its online fit scales it to the forwards the steps time). Call it before any
         request holds blocks: the rows write throw-away KV into the first blocks. Not under expert
@@ -259,13 +263,11 @@ class ModelRunner:
             raise RuntimeError("profile_step_curve runs the forward alone: not under expert parallelism")
         nb = max(min((context + 1 + self.block_size - 1) // self.block_size, self.num_blocks), 1)
         context = min(context, nb * self.block_size - 1)
-        grid = [r for r in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256) if r < max_rows] + [max_rows]
+        grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
         fwd: dict[int, float] = {}
         head: dict[int, float] = {}
-        for rep in range(repeats + 1):  # round 0 warms the kernels up and is not kept
+        for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
             for r in grid:
-                if (rep == 0 and r > 16) or (rep > 1 and r > 64):
-                    continue
                 table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
                 meta = build_attention_metadata([1] * r, [context] * r, table, self.block_size)
                 ids = torch.zeros(r, dtype=torch.int64)

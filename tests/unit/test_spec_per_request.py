@@ -425,3 +425,32 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
     assert static.engine.adaptive is None
     with pytest.raises(RuntimeError, match="expert parallelism"):
         ModelRunner.profile_step_curve(SimpleNamespace(expert_shard=(0, 2)), 16)  # type: ignore[arg-type]
+
+
+def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """PHALANX_DEBUG_STEP_LOG=PATH: one JSON line per step in PATH.<pid>, whose figures add up to
+    what the engine did (tokens emitted, drafts verified); off by default."""
+    import json
+    import os
+
+    from phalanx.engine.engine_core import STEP_LOG_ENV
+
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps"))
+    llm = LLM(str(models["agreeing_target"]), dtype="float32",
+              speculative_config={"model": str(models["agreeing_head"]), "num_speculative_tokens": K})  # fmt: skip
+    outs = llm.generate(_prompts(3, seed=2), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    lines = [json.loads(s) for s in (tmp_path / f"steps.{os.getpid()}").read_text().splitlines()]
+    assert len(lines) == llm.engine.num_steps
+    assert sum(s["tokens"] for s in lines) == sum(len(o.outputs[0].token_ids) for o in outs) == 36
+    assert sum(s["drafts"] for s in lines) > 0 and max(s["passes"] for s in lines) == K
+    for s in lines:
+        assert s["t1"] > s["t0"] and 0 < s["forward"] <= s["t1"] - s["t0"] and s["drafter"] >= 0
+        assert s["rows"] >= s["reqs"] + s["drafts"] > 0
+    from benchmarks.step_log import summarise
+
+    text = summarise(tmp_path / f"steps.{os.getpid()}", reqs=3, skip=0)
+    assert f"{len(lines)} steps" in text and "36 tokens" in text and "3 requests decoding" in text
+    monkeypatch.delenv(STEP_LOG_ENV)
+    assert LLM(str(models["target"]), dtype="float32").engine._step_log is None

@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from phalanx.spec_decode.adaptive import (
+    COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
     PRIOR_FIXED_ROWS,
+    PROFILE_ROWS,
     WIDE_EXPLORE_EVERY,
     AcceptanceStats,
     AdaptiveDrafting,
@@ -465,9 +467,25 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
         policy.observe_verification("a", 3, 0)  # never accepts
     for rows in (2, 4, 6, 8):  # a row costs a fifth of a step: never worth "a"'s drafts
         policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
-    chosen = [policy.choose(["a"], [3], base_rows=2) for _ in range(3 * EXPLORE_EVERY)]
-    assert [i for i, c in enumerate(chosen) if c != [0]] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+    # The draft would cost ~a sixth of the step for nothing: tried only every COSTLY_EXPLORE_EVERY.
+    chosen = [policy.choose(["a"], [3], base_rows=2) for _ in range(2 * COSTLY_EXPLORE_EVERY)]
+    assert [i for i, c in enumerate(chosen) if c != [0]] == [COSTLY_EXPLORE_EVERY - 1, 2 * COSTLY_EXPLORE_EVERY - 1]
     assert all(c == [1] for c in chosen if c != [0])
+
+
+def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
+    """Acceptance 0.6 a position (the prior), a row 0.2 of a 1 s step, a pass 0.1: one draft is best
+    (1.33 tokens/s), two come within EXPLORE_MARGIN of it (1.31): every EXPLORE_EVERY-th decision
+    drafts two. With a row 0.3 of the step two fall outside the margin (1.15 against 1.23): tried
+    every COSTLY_EXPLORE_EVERY-th decision only."""
+    for row, every in ((0.2, EXPLORE_EVERY), (0.3, COSTLY_EXPLORE_EVERY)):
+        policy = AdaptiveDrafting(3, drafter_passes=True)
+        policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
+            [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
+        chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(WIDE_EXPLORE_EVERY - 1)]
+        assert [i for i, c in enumerate(chosen) if c != [1]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
+        assert all(c == [2] for c in chosen if c != [1])
 
 
 def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
@@ -531,6 +549,28 @@ def test_a_profiled_shape_prices_rows_where_the_steps_are_too_noisy_to() -> None
     assert curve[0] == pytest.approx(1.2 * (0.005 + 0.0025 * 32), rel=0.05)
     assert curve[32] - curve[0] == pytest.approx(1.2 * 0.0025 * 32, rel=0.1)
     assert costs.measured_near(1000)  # any step scales the shape: known everywhere
+
+
+def test_a_tile_edge_in_the_profile_keeps_the_policy_from_crossing_it() -> None:
+    """The AMX GEMM takes rows 32 at a time: a forward over 33 rows costs ~2.5 ms more than over 32
+    (SmolLM2: 15.1 / 17.6 / 19.7 ms at 32 / 33 / 48 rows). The profile measures both sides of every
+    such edge (`PROFILE_ROWS`); priced on it, 16 requests drafting one each (32 rows) stay there,
+    although interpolating 32 -> 48 would have priced the 33rd row at 0.3 ms and taken it."""
+    assert all(r in PROFILE_ROWS and r + 1 in PROFILE_ROWS for r in (16, 32, 48, 64, 96, 128, 192))
+    rows = [r for r in PROFILE_ROWS if r <= 64]
+    fwd = [0.009 + 0.0002 * r + 0.0025 * ((r - 1) // 32) for r in rows]
+    costs = StepCostModel()
+    costs.set_profile(rows, fwd, [0.0001 * r for r in rows])
+    for _ in range(64):
+        costs.observe(32, fwd[rows.index(32)] + 0.0032, 0.0, 0, forward_seconds=fwd[rows.index(32)] + 0.0032)
+    curve, _, _ = costs.step_cost(16, 32)
+    assert curve[17] - curve[16] > 0.002  # the 33rd row pays the edge
+    assert curve[32] - curve[17] < 0.005
+    # The 16 requests' second drafts (acceptance 0.55 at position 2 after 0.6 at 1: 0.33 tokens
+    # each) do not pay one at a time across the edge: the policy keeps one draft each.
+    accept = np.tile([0.6, 0.55, 0.5], (16, 1))
+    lengths = choose_draft_lengths(accept, np.full(16, 2), np.asarray(curve), 0.002)
+    assert lengths.tolist() == [1] * 16
 
 
 def test_the_profile_follows_prompt_rows_and_the_drafter() -> None:

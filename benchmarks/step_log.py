@@ -1,0 +1,72 @@
+"""Summarise engine step logs (``PHALANX_DEBUG_STEP_LOG=PATH`` writes PATH.<pid>, one JSON line
+per step): where each engine's time went, by batch shape.
+
+    PHALANX_DEBUG_STEP_LOG=/tmp/steps phalanx serve ...   # or benchmarks/adaptive_spec.py, offline LLM
+    python benchmarks/step_log.py /tmp/steps.* [--reqs 16] [--skip 4]
+
+Per log: tokens per second over all steps (steps' own time, without idle gaps), then by the number
+of requests in the step (prompt-chunk steps apart), then the steps of exactly `--reqs` requests
+decoding (no prompt rows) grouped by (draft rows verified, drafter passes): mean step, forward and
+drafter milliseconds and tokens per step. The same batch shape taking different time under two
+configurations, or a shape that costs more than its rows suggest, shows here first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def summarise(path: Path, reqs: int, skip: int) -> str:
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][skip:]
+    if not steps:
+        return f"{path}: no steps"
+    out = []
+    total = sum(s["t1"] - s["t0"] for s in steps)
+    tokens = sum(s["tokens"] for s in steps)
+    out.append(f"{path}: {len(steps)} steps, {total:.2f} s in steps, {tokens} tokens, {tokens / total:.1f} tok/s")
+    by_size: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+    for s in steps:
+        decoding = s["rows"] == s["reqs"] + s["drafts"]
+        key = f"{s['reqs']:>3} reqs" if decoding else "prompt rows"
+        agg = by_size[key]
+        agg[0] += 1
+        agg[1] += s["t1"] - s["t0"]
+        agg[2] += s["tokens"]
+        agg[3] += s["drafts"]
+    out.append("  by batch: steps, seconds, tok/s, drafts per step")
+    for key in sorted(by_size):
+        n, sec, tok, drafts = by_size[key]
+        out.append(f"    {key:>11}: {n:5d} {sec:7.2f} {tok / sec:8.1f} {drafts / n:6.1f}")
+    shapes: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for s in steps:
+        if s["reqs"] == reqs and s["rows"] == s["reqs"] + s["drafts"]:
+            shapes[(s["drafts"], s["passes"])].append(s)
+    if shapes:
+        out.append(f"  {reqs} requests decoding, by (draft rows, drafter passes): steps, step / forward / drafter ms, "
+                   "tokens per step")
+        for (drafts, passes), group in sorted(shapes.items(), key=lambda kv: -len(kv[1]))[:12]:
+            n = len(group)
+            step = 1e3 * sum(s["t1"] - s["t0"] for s in group) / n
+            fwd = 1e3 * sum(s["forward"] for s in group) / n
+            dft = 1e3 * sum(s["drafter"] for s in group) / n
+            out.append(f"    ({drafts:3d}, {passes}): {n:5d} {step:6.1f} {fwd:6.1f} {dft:5.1f} "
+                       f"{sum(s['tokens'] for s in group) / n:6.2f}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="+", type=Path)
+    p.add_argument("--reqs", type=int, default=16, help="batch size whose decode steps are broken down by shape")
+    p.add_argument("--skip", type=int, default=4, help="leading steps to leave out (the warm-up requests)")
+    args = p.parse_args()
+    for path in args.logs:
+        print(summarise(path, args.reqs, args.skip))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

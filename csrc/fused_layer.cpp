@@ -12,6 +12,8 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 
+#include <cstring>
+
 #include "common.h"
 #include "fused_layer.h"
 #include "gemm.h"
@@ -40,6 +42,39 @@ at::Tensor apply(const Linear& l, const at::Tensor& x, int64_t isa) {
 
 AttnPlan grid_plan(at::Tensor block_table, at::Tensor visible) { return {block_table, visible}; }
 
+namespace {
+
+// The checks of a row index into a batch of `rows` rows: int64, contiguous, every entry in range.
+const int64_t* row_index(const at::Tensor& idx, int64_t rows, const char* name) {
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.dim() == 1, "fused layer: ", name,
+              " must be a contiguous int64 vector");
+  const int64_t* p = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i)
+    TORCH_CHECK(0 <= p[i] && p[i] < rows, "fused layer: ", name, "[", i, "] = ", p[i], " outside [0, ", rows, ")");
+  return p;
+}
+
+// dst[dst_rows[i]] = src[src_rows[i]] (dst's rows 0..n-1 when dst_rows is null) for [rows, H, D]
+// tensors whose rows each hold their H * D elements contiguously, rows any stride apart (q is a view
+// of the qkv projection's output): a memcpy a row. The decode group's gather and scatter of a ragged
+// batch (requests verifying different numbers of drafts) are a few KB each; index_select and
+// index_copy_ took ~12 and ~10 us a call for them (q made contiguous first, ~9 more), ~1 ms of a
+// 30-layer forward.
+void copy_rows(at::Tensor& dst, const int64_t* dst_rows, const at::Tensor& src, const int64_t* src_rows, int64_t n) {
+  const int64_t H = src.size(1), D = src.size(2);
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type() && dst.dim() == 3 && dst.size(1) == H && dst.size(2) == D &&
+                  src.stride(2) == 1 && src.stride(1) == D && dst.stride(2) == 1 && dst.stride(1) == D,
+              "fused layer: rows are copied between [rows, H, D] tensors of one dtype, each row's H * D "
+              "elements contiguous");
+  const int64_t bytes = H * D * src.element_size();
+  const int64_t ss = src.stride(0) * src.element_size(), ds = dst.stride(0) * dst.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + (dst_rows ? dst_rows[i] : i) * ds, s + src_rows[i] * ss, bytes);
+}
+
+}  // namespace
+
 // q [T, H, D] (rotated) -> attention output [T, H * D]
 at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -55,9 +90,11 @@ at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_c
                     a.dec_idx.numel() == a.dec_visible.numel() && a.dec_sel.numel() == a.dec_rows.numel(),
                 "fused layer: the decode group needs dec_idx [Bd * Qd], dec_sel and dec_rows of one length");
     const int64_t Bd = a.dec_visible.size(0), Qd = a.dec_visible.size(1);
-    auto od = decode_attention(q.index_select(0, a.dec_idx).view({Bd, Qd, H, D}), kv_cache, a.dec_table,
-                               a.dec_visible, scale);
-    out.index_copy_(0, a.dec_rows, od.view({Bd * Qd, H, D}).index_select(0, a.dec_sel));
+    auto grid = at::empty({Bd * Qd, H, D}, q.options());
+    copy_rows(grid, nullptr, q, row_index(a.dec_idx, T, "dec_idx"), Bd * Qd);
+    auto od = decode_attention(grid.view({Bd, Qd, H, D}), kv_cache, a.dec_table, a.dec_visible, scale);
+    copy_rows(out, row_index(a.dec_rows, T, "dec_rows"), od.reshape({Bd * Qd, H, D}),
+              row_index(a.dec_sel, Bd * Qd, "dec_sel"), a.dec_sel.numel());
   }
   TORCH_CHECK(a.pre_bounds.size() == 2 * a.pre_tables.size() && a.pre_tables.size() == a.pre_visibles.size(),
               "fused layer: each prefill chunk needs its start and end, block table and visible counts");

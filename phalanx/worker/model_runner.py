@@ -246,15 +246,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_curve(
-        self, max_rows: int, context: int = 64, repeats: int = 3
+        self, max_rows: int, context: int = 64, repeats: int = 3, budget_seconds: float = 3.0
     ) -> tuple[list[int], list[float], list[float]]:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
         ones) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
-        to `max_rows` (the fastest of `repeats` runs each, after one warm-up run of each: ~2.5 s for
-        SmolLM2 on 2 AMX cores). Single runs are not to be trusted: a run that gets fresh pages for
-        its buffers from the kernel pays for faulting them in (~9 us a 4 KB page on a VM here: the
-        lm_head over 192 rows took 45 ms instead of 6 in every other call), and glibc's allocator
-        keeps or returns freed buffers by turns. It is the shape of step time against
+        to `max_rows`: the fastest of `repeats` rounds over the grid, after a warm-up round up to 64
+        rows; rounds after the first only while the profile has taken under `budget_seconds` (SmolLM2
+        on 2 AMX cores: 3 rounds, ~2.6 s; where one round takes longer, as on AVX2 alone, one round).
+        Single runs are not to be trusted where the forward is fast: a run
+        whose buffers get fresh pages from the kernel pays for faulting them in (~9 us a 4 KB page
+        on a VM here: the lm_head over 192 rows took 45 ms instead of 6 in most calls), and glibc's
+        allocator keeps or returns freed buffers by turns. It is the shape of step time against
         rows that the adaptive policy prices drafts on, measured before serving, while nothing
         else runs (its online fit scales it to the forwards the steps time). Call it before any
         request holds blocks: the rows write throw-away KV into the first blocks. Not under expert
@@ -266,8 +268,13 @@ class ModelRunner:
         grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
         fwd: dict[int, float] = {}
         head: dict[int, float] = {}
+        start = time.perf_counter()
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
+            if rep > 1 and time.perf_counter() - start > budget_seconds:
+                break
             for r in grid:
+                if rep == 0 and r > 64:
+                    continue
                 table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
                 meta = build_attention_metadata([1] * r, [context] * r, table, self.block_size)
                 ids = torch.zeros(r, dtype=torch.int64)

@@ -65,6 +65,7 @@ def _forward(model, ids, caches, q_lens, num_computed, table, fused: bool, num_p
         ([25], [16]),  # a lone later chunk of a prompt
         ([30, 1], [0, 7]),  # a prompt joining a decode: the decode group gathered, the chunk in place
         ([1, 4, 1, 25], [10, 20, 3, 0]),  # a padded [3, 4] decode group around a prompt
+        ([2, 1, 4, 1, 3], [11, 30, 5, 19, 44]),  # ragged verification (adaptive draft lengths): a padded [5, 4] grid
         ([30, 20], [0, 0]),  # two prompts
         ([1, 3, 40, 2, 17, 1], [33, 12, 0, 50, 16, 5]),  # 17 tokens: past the decode group's 16
     ],
@@ -144,6 +145,10 @@ def test_fused_layer_refuses_inconsistent_arguments(llm: LLM) -> None:
     with pytest.raises(RuntimeError, match="the attention plan covers 2 of the batch's 3 tokens"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [0, 2], [one], [torch.full((1, 2), 2)])
+    ragged = (one, torch.full((1, 3), 3), torch.tensor([0, 1, 3]), torch.arange(3), torch.arange(3), [], [], [])
+    with pytest.raises(RuntimeError, match=r"dec_idx\[2\] = 3 outside \[0, 3\)"):
+        kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
+                           torch.arange(3), *ragged)
     with pytest.raises(RuntimeError, match="each prefill chunk needs its start and end"):
         kernel.fused_layer(x, None, ln1, ln2, eps, linears, widths, heads, scale, isa, cos, sin, cache,
                            torch.arange(3), None, None, None, None, None, [0], [one], [torch.full((1, 3), 3)])

@@ -19,6 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def _decoding(step: dict) -> bool:
+    """No prompt rows: every row is a request's next token or a draft it verifies."""
+    return step["rows"] == step["reqs"] + step["drafts"]
+
+
 def summarise(path: Path, reqs: int, skip: int) -> str:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][skip:]
     if not steps:
@@ -29,8 +34,7 @@ def summarise(path: Path, reqs: int, skip: int) -> str:
     out.append(f"{path}: {len(steps)} steps, {total:.2f} s in steps, {tokens} tokens, {tokens / total:.1f} tok/s")
     by_size: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
     for s in steps:
-        decoding = s["rows"] == s["reqs"] + s["drafts"]
-        key = f"{s['reqs']:>3} reqs" if decoding else "prompt rows"
+        key = f"{s['reqs']:>3} reqs" if _decoding(s) else "prompt rows"
         agg = by_size[key]
         agg[0] += 1
         agg[1] += s["t1"] - s["t0"]
@@ -42,7 +46,7 @@ def summarise(path: Path, reqs: int, skip: int) -> str:
         out.append(f"    {key:>11}: {n:5d} {sec:7.2f} {tok / sec:8.1f} {drafts / n:6.1f}")
     shapes: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for s in steps:
-        if s["reqs"] == reqs and s["rows"] == s["reqs"] + s["drafts"]:
+        if s["reqs"] == reqs and _decoding(s):
             shapes[(s["drafts"], s["passes"])].append(s)
     if shapes:
         out.append(f"  {reqs} requests decoding, by (draft rows, drafter passes): steps, step / forward / drafter ms, "

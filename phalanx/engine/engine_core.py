@@ -136,11 +136,14 @@ class EngineCore:
         result = self.runner.execute(sched, plan)
         outputs = self.scheduler.update_from_output(sched, result)
         self.num_steps += 1
-        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        emitted = sum(len(o.new_token_ids) for o in outputs)
+        self.num_generation_tokens += emitted
+        if self._step_log is None and self.adaptive is None:
+            return outputs
+        num_draft_rows = sum(len(d) for d in sched.scheduled_spec_tokens.values())
         if self._step_log is not None:
-            self._log_step(sched, result, outputs, t0, forward_before, drafter_before)
+            self._log_step(sched, result, t0, forward_before, drafter_before, num_draft_rows, emitted)
         if self.adaptive is not None:
-            num_draft_rows = sum(len(d) for d in sched.scheduled_spec_tokens.values())
             self._observe_step(t0, dict(
                 num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
@@ -152,8 +155,8 @@ class EngineCore:
             ))
         return outputs
 
-    def _log_step(self, sched: SchedulerOutput, result: ModelRunnerOutput, outputs: list[EngineCoreOutput],
-                  t0: float, forward_before: float, drafter_before: float) -> None:
+    def _log_step(self, sched: SchedulerOutput, result: ModelRunnerOutput, t0: float, forward_before: float,
+                  drafter_before: float, num_draft_rows: int, emitted: int) -> None:
         """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
         tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
@@ -164,11 +167,11 @@ class EngineCore:
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "rows": sched.total_num_scheduled_tokens,
             "reqs": len(sched.num_scheduled_tokens),
-            "drafts": sum(len(d) for d in sched.scheduled_spec_tokens.values()),
+            "drafts": num_draft_rows,
             "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,
             "forward": self.runner.forward_seconds - forward_before,
             "drafter": self.runner.drafter_seconds - drafter_before,
-            "tokens": sum(len(o.new_token_ids) for o in outputs),
+            "tokens": emitted,
         }) + "\n")
 
     def _observe_step(self, t0: float, step: dict) -> None:

@@ -16,6 +16,8 @@ the server's request validation.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import time
 from pathlib import Path
@@ -25,7 +27,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.step_log import summarise
 from phalanx import LLM, SamplingParams
+from phalanx.engine.engine_core import STEP_LOG_ENV
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.spec_decode.adaptive import EXPLORE_EVERY
@@ -431,11 +435,6 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """PHALANX_DEBUG_STEP_LOG=PATH: one JSON line per step in PATH.<pid>, whose figures add up to
     what the engine did (tokens emitted, drafts verified); off by default."""
-    import json
-    import os
-
-    from phalanx.engine.engine_core import STEP_LOG_ENV
-
     monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "steps"))
     llm = LLM(str(models["agreeing_target"]), dtype="float32",
               speculative_config={"model": str(models["agreeing_head"]), "num_speculative_tokens": K})  # fmt: skip
@@ -448,8 +447,6 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     for s in lines:
         assert s["t1"] > s["t0"] and 0 < s["forward"] <= s["t1"] - s["t0"] and s["drafter"] >= 0
         assert s["rows"] >= s["reqs"] + s["drafts"] > 0
-    from benchmarks.step_log import summarise
-
     text = summarise(tmp_path / f"steps.{os.getpid()}", reqs=3, skip=0)
     assert f"{len(lines)} steps" in text and "36 tokens" in text and "3 requests decoding" in text
     monkeypatch.delenv(STEP_LOG_ENV)

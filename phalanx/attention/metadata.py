@@ -176,7 +176,9 @@ def build_attention_metadata(
         meta.dec_valid = torch.from_numpy(valid)
         meta.dec_token_idx = torch.from_numpy(np.where(valid, starts[dec_rows][:, None] + offs[None, :], 0))
         meta.dec_block_table = table[torch.from_numpy(dec_rows), :num_blocks]
-        meta.dec_visible = torch.from_numpy(nc_np[dec_rows][:, None] + offs[None, :] + 1)  # [Bd, Qd]
+        # [Bd, Qd]; a padding entry of the grid sees one key only (its output is never read), so a
+        # ragged group costs the attention of its real rows, not of the padded grid's
+        meta.dec_visible = torch.from_numpy(np.where(valid, nc_np[dec_rows][:, None] + offs[None, :] + 1, 1))
     meta.prefills = []
     for r in np.flatnonzero(~is_dec).tolist():
         start, q, nc = int(starts[r]), int(q_np[r]), int(nc_np[r])

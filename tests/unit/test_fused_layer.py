@@ -102,7 +102,7 @@ def test_fused_plan_groups_attention_as_the_module_path() -> None:
     # [p0 .. p29 | d30 | v31 v32 v33]: a prompt, then a decode and a 3-token verification (the group)
     mixed = build_attention_metadata(torch.tensor([30, 1, 3]), torch.tensor([0, 7, 9]), table, BLOCK)
     dec_table, dec_visible, idx, sel, rows, bounds, tables, visibles = mixed.fused_plan()
-    assert torch.equal(dec_visible, torch.tensor([[8, 9, 10], [10, 11, 12]]))
+    assert torch.equal(dec_visible, torch.tensor([[8, 1, 1], [10, 11, 12]]))  # padding sees one key
     assert idx.tolist() == [30, 0, 0, 31, 32, 33] and sel.tolist() == [0, 3, 4, 5] and rows.tolist() == [30, 31, 32, 33]
     assert bounds == [0, 30] and len(tables) == 1 and torch.equal(visibles[0][0], torch.arange(1, 31))
     two_prompts = build_attention_metadata(torch.tensor([30, 20]), torch.tensor([0, 0]), table[:2], BLOCK)

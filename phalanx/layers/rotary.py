@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,10 +50,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2], float32 as HF has them
+        emb = torch.cat((freqs, freqs), dim=-1).numpy().astype(np.float64)  # [max_positions, head_dim]
+        # cos / sin of those float32 angles in float64, rounded once to float32: the nearest float32
+        # to the true value, the same in every process. torch's float32 `cos` is not: in about one
+        # process in eight (torch 2.13, this table the process's first parallel op) the second
+        # thread's half of the table came out up to 1.5e-4 off (cos(1024) as 0.98720 for 0.98735),
+        # and greedy outputs past the middle position changed from one run of the engine to the next.
+        self.register_buffer("cos", torch.from_numpy(np.cos(emb).astype(np.float32)), persistent=False)
+        self.register_buffer("sin", torch.from_numpy(np.sin(emb).astype(np.float32)), persistent=False)
         self.kernel: Any = None  # the compiled ops module (``ops.cpu.attach``), bf16 only
         self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos / sin per dtype
 

@@ -182,7 +182,7 @@ class StepCostModel:
 
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
                  row_ridge: float = 16.0, pass_ridge: float = 1.0, verify_ridge: float = 1.0,
-                 refit_every: int = 32, logit_share: float = 0.0) -> None:
+                 refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.1) -> None:
         self.window, self.bandwidth = window, bandwidth
         # What a row that computes logits costs on top of one that does not, as a share of the
         # latter, where nothing measured says otherwise: the lm_head's weights against the rest
@@ -190,8 +190,13 @@ class StepCostModel:
         self.logit_share = logit_share
         # A fit (~60 numpy operations: ~0.15 ms with warm caches, ~0.45 ms between forward passes,
         # where the scheduler runs) is reused for this many steps; it moves little in 32 of a
-        # 128-step half-life.
-        self.refit_every = refit_every
+        # 128-step half-life. And not before the steps since the last fit took `refit_seconds`
+        # together: on a small model a step takes ~1 ms and a fit with its curves ~0.4 ms between
+        # forward passes, so 32 steps alone would spend ~1 % of the engine's time refitting (the
+        # policy's whole cost at one request was ~4 % of a step there); 0.1 s bounds it at ~0.4 %.
+        self.refit_every, self.refit_seconds = refit_every, refit_seconds
+        self._seconds_seen = 0.0  # the observed steps' seconds, summed
+        self._fits_since_seconds = 0.0
         self._fits: dict[int, StepFit | None] = {}  # grid point -> its fit (None: nothing measured near)
         self._curves: dict[tuple, tuple[list[float], float, float]] = {}  # step_cost's answers, as long as the fits
         self._fits_since = 0
@@ -278,6 +283,7 @@ class StepCostModel:
         self._fed[i] = float(num_rows if drafter_rows is None else drafter_rows)
         self._step[i] = self._count
         self._next = (i + 1) % self.window
+        self._seconds_seen += seconds
 
     def _nearness(self, base_rows: float) -> np.ndarray:  # [window] distance in bandwidths
         return np.log((self._rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
@@ -293,7 +299,7 @@ class StepCostModel:
 
     def _near_any(self, j: int) -> bool:
         """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands
-        for `refit_every` steps, as the fits do)."""
+        as long as the fits do, `_expire`)."""
         near = self._near.get(j)
         if near is None:
             near_rows = np.abs(self._nearness(self._grid_rows(j))) <= 2.0
@@ -410,7 +416,7 @@ class StepCostModel:
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
         """The fit at the grid point nearest `rows` (None where no step was measured within its cut,
-        unless `always`), reused for up to `refit_every` steps."""
+        unless `always`), reused for `refit_every` steps and `refit_seconds` (`_expire`)."""
         self._expire()
         j = self._grid(rows)
         if j not in self._fits or (always and self._fits[j] is None):
@@ -418,12 +424,14 @@ class StepCostModel:
         return self._fits[j]
 
     def _expire(self) -> None:
-        """Drop the fits and curves once the oldest is `refit_every` steps old."""
-        if not self._fits or self._count - self._fits_since >= self.refit_every:
+        """Drop the fits and curves once the oldest is `refit_every` steps and `refit_seconds` of
+        steps old."""
+        if not self._fits or (self._count - self._fits_since >= self.refit_every
+                              and self._seconds_seen - self._fits_since_seconds >= self.refit_seconds):
             self._fits.clear()
             self._curves.clear()
             self._near.clear()
-            self._fits_since = self._count
+            self._fits_since, self._fits_since_seconds = self._count, self._seconds_seen
 
     def _grid(self, rows: float) -> int:
         """Fits are taken at grid points half the bandwidth apart in log(rows + PRIOR_FIXED_ROWS), the
@@ -441,7 +449,7 @@ class StepCostModel:
         None: all) + m draft rows for m = 0..num_extra without a drafter pass, what drafting anything
         costs besides its rows and later passes (the drafter's first pass, run when some request
         drafts, and verifying drafts at all) and the cost of each pass after the first; every
-        predicted time > 0 and non-decreasing in m. From fits at most `refit_every` steps old.
+        predicted time > 0 and non-decreasing in m. From fits `_expire` keeps.
 
         A local fit is a tangent: drafts can take a batch far from its base (16 requests drafting 3
         each verify 64 rows), where a row costs what it costs there (on SmolLM2 ~0.5 ms at 4-16 rows,

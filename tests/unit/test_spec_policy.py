@@ -401,6 +401,20 @@ def test_a_fit_is_reused_for_a_few_steps() -> None:
     assert costs.step_cost(4, 1)[0][0] > first[0][0]  # four steps on: refitted
 
 
+def test_short_steps_reuse_a_fit_until_enough_time_has_passed() -> None:
+    """Steps of 1 ms (a small model at one request): a fit costs about half a step, so it is kept
+    for `refit_seconds` of steps, not only `refit_every` of them."""
+    costs = StepCostModel(refit_every=4, refit_seconds=0.1)
+    costs.observe(4, 0.001, 0.0, 0)
+    first = costs.step_cost(4, 1)
+    for _ in range(97):  # 98 ms of steps in all
+        costs.observe(4, 0.001, 0.0, 0)
+    assert costs.step_cost(4, 1) == first  # 98 steps on, still the first fit
+    for _ in range(4):
+        costs.observe(4, 0.003, 0.0, 0)
+    assert costs.step_cost(4, 1)[0][0] > first[0][0]  # 0.1 s of steps on: refitted
+
+
 def test_old_steps_leave_the_window() -> None:
     costs = StepCostModel(window=8, refit_every=1)
     for _ in range(8):

@@ -46,6 +46,16 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
+# A batch that reaches its ends with the same requests, caps and base rows as the last decision
+# keeps that decision for up to this many decisions in all (an exploration still comes when due):
+# at one request the decision, with cold caches between forward passes, took ~32 us, ~3 % of a
+# demo step, while the estimates it reads move by a verification's weight a step.
+REUSE_DECISIONS = 4
+# Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
+# what measures the drafter). A fit on the first one or two (the drafter catching up on whole
+# prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
+# four requests then drafted nothing for most of its 48 requests (190 steps where k = 3 took 136).
+MIN_DRAFTING_STEPS = 8
 # Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
 # is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load
 # of the weights), so time jumps just past each multiple of 16 and most past each multiple of 32
@@ -220,6 +230,7 @@ class StepCostModel:
         self._step = np.full(window, -np.inf)  # the step count each entry was taken at; -inf: empty slot
         self._next = 0
         self._count = 0
+        self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
@@ -274,6 +285,7 @@ class StepCostModel:
             return
         i = self._next
         self._count += 1
+        self.drafting_steps += drafter_passes > 0
         self._rows[i], self._seconds[i] = float(num_rows), seconds
         self._logit_rows[i] = float(num_rows if num_logit_rows is None else num_logit_rows)
         self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
@@ -541,27 +553,39 @@ class AdaptiveDrafting:
     lengths out. `drafter_passes`: the drafter runs a pass per draft position (model drafters),
     so the deepest request's length costs passes; n-gram lookup does not."""
 
-    def __init__(self, k: int, drafter_passes: bool, logit_share: float = 0.0) -> None:
+    def __init__(self, k: int, drafter_passes: bool, logit_share: float = 0.0,
+                 min_drafting_steps: int = MIN_DRAFTING_STEPS) -> None:
         self.k = k
+        self.min_drafting_steps = min_drafting_steps
         self.drafter_passes = drafter_passes
         self.acceptance = AcceptanceStats(k)
         self.costs = StepCostModel(logit_share=logit_share)
         self._decisions = 0
+        # the last fresh decision: (request ids, caps, base rows), its lengths, its decision count
+        self._last: tuple[tuple, list[int], int] | None = None
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
                ) -> list[int]:
         """Draft lengths for the requests that reach their end this step (verified next step, in
         a batch of about `base_rows` rows besides the drafts). Until a step of about that size
-        (within the fit's cut) was measured every request gets its cap (static drafting), which is
-        also what gives the first measurements there. `lags`: per request, the positions its
+        (within the fit's cut) was measured, and `min_drafting_steps` steps ran the drafter, every
+        request gets its cap (static drafting), which is also what gives the first measurements. `lags`: per request, the positions its
         drafter catch-up has waiting (fed when it drafts again; None: none wait). The policy
         itself does not price them (a request that drafts again later feeds them then anyway);
         the explorations do, being one-off: the one-request exploration takes the request with
         the shortest wait, and the whole batch at its caps is tried only where it comes within
-        the margin with its catch-ups paid."""
-        if not req_ids or max(caps, default=0) == 0 or not self.costs.measured_near(base_rows):
+        the margin with its catch-ups paid. A batch unchanged since the last fresh decision (the
+        same requests, caps and base rows) keeps it for up to REUSE_DECISIONS decisions."""
+        if (not req_ids or max(caps, default=0) == 0 or self.costs.drafting_steps < self.min_drafting_steps
+                or not self.costs.measured_near(base_rows)):
             return list(caps)
         caps = [min(c, self.k) for c in caps]
+        key = (tuple(req_ids), tuple(caps), base_rows)
+        last = self._last
+        if (last is not None and last[0] == key and self._decisions + 1 - last[2] < REUSE_DECISIONS
+                and (self._decisions + 1) % EXPLORE_EVERY):
+            self._decisions += 1
+            return list(last[1])
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0
@@ -574,6 +598,7 @@ class AdaptiveDrafting:
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
         self._decisions += 1
+        self._last = (key, list(lengths), self._decisions)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

@@ -23,8 +23,10 @@ from hypothesis.extra.numpy import arrays
 from phalanx.spec_decode.adaptive import (
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
+    MIN_DRAFTING_STEPS,
     PRIOR_FIXED_ROWS,
     PROFILE_ROWS,
+    REUSE_DECISIONS,
     WIDE_EXPLORE_EVERY,
     AcceptanceStats,
     AdaptiveDrafting,
@@ -447,7 +449,7 @@ def test_predicted_times_are_positive_and_never_fall(steps, base, extra) -> None
 
 
 def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:
-    policy = AdaptiveDrafting(3, drafter_passes=True)
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
     assert policy.choose(["a", "b"], [3, 1], base_rows=2) == [3, 1]
     policy.observe_step(200, 5.0, 0.5, 1)  # a prompt's step: nothing yet about batches of 2 rows
     assert policy.choose(["a", "b"], [3, 1], base_rows=2) == [3, 1]
@@ -458,6 +460,43 @@ def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:
         policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
     a, b = policy.choose(["a", "b"], [3, 3], base_rows=2)
     assert a == 0 and b > 0
+
+
+def test_an_unchanged_batch_keeps_its_decision_for_a_few_steps() -> None:
+    """The same requests, caps and base rows as the last fresh decision: it stands for
+    REUSE_DECISIONS decisions in all, however the estimates moved meanwhile; another batch, or the
+    same one once those are used up, is decided afresh."""
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 3)  # "a" always accepts
+    for rows in (2, 4, 6, 8):
+        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
+    fresh = policy.choose(["a"], [3], base_rows=2)
+    assert fresh[0] > 0
+    for _ in range(60):
+        policy.observe_verification("a", 3, 0)  # now it never does
+    for _ in range(REUSE_DECISIONS - 1):
+        assert policy.choose(["a"], [3], base_rows=2) == fresh  # reused
+    assert policy.choose(["a"], [3], base_rows=2) == [0]  # decided again
+    policy.observe_verification("b", 3, 3)
+    assert policy.choose(["a", "b"], [3, 3], base_rows=2)[0] == 0  # another batch: decided afresh
+
+
+def test_the_caps_stand_until_enough_steps_ran_the_drafter() -> None:
+    """A request whose drafts are never accepted: the fit says drafting does not pay from the first
+    steps on, but the caps stand until MIN_DRAFTING_STEPS steps ran the drafter (the first ones,
+    a prompt's catch-up and every shape's first run, say little about a pass)."""
+    policy = AdaptiveDrafting(3, drafter_passes=True)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 0)
+    for rows in (2, 4, 6, 8):
+        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.0, 0)
+    for _ in range(MIN_DRAFTING_STEPS - 1):
+        policy.observe_step(8, 2.2, 0.2, 3)
+        assert policy.choose(["a"], [3], base_rows=2) == [3]  # too few drafting steps: the cap
+    policy.observe_step(8, 2.2, 0.2, 3)
+    assert policy.costs.drafting_steps == MIN_DRAFTING_STEPS
+    assert policy.choose(["a"], [3], base_rows=2) == [0]  # the fit decides from here
 
 
 def test_every_so_often_one_request_drafts_one_more() -> None:
@@ -476,7 +515,7 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
     lengths = [1, 0]
     explore(lengths, [3, 3], lags=[0, 0])
     assert lengths == [2, 0]
-    policy = AdaptiveDrafting(3, drafter_passes=True)
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
     for _ in range(30):
         policy.observe_verification("a", 3, 0)  # never accepts
     for rows in (2, 4, 6, 8):  # a row costs a fifth of a step: never worth "a"'s drafts
@@ -493,7 +532,7 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
     drafts two. With a row 0.3 of the step two fall outside the margin (1.15 against 1.23): tried
     every COSTLY_EXPLORE_EVERY-th decision only."""
     for row, every in ((0.2, EXPLORE_EVERY), (0.3, COSTLY_EXPLORE_EVERY)):
-        policy = AdaptiveDrafting(3, drafter_passes=True)
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
@@ -508,7 +547,7 @@ def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
     decision drafts the cap, measuring the batch at its deepest. With a row as dear as the step,
     the cap is far off (0.52 against plain decoding's 1.0): it is never tried that way."""
     for row, usual, wide in ((0.3, [1], [3]), (1.0, [0], [1])):
-        policy = AdaptiveDrafting(3, drafter_passes=True)
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
@@ -524,7 +563,7 @@ def test_the_whole_batch_is_not_tried_where_its_catch_ups_make_it_too_dear() -> 
     With 200 positions of "b"'s drafter catch-up waiting at 5 ms each, the caps would cost a
     second more: they are not tried."""
     for lag, tried in ((0, True), (200, False)):
-        policy = AdaptiveDrafting(3, drafter_passes=True)
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
         for _ in range(30):
             policy.observe_verification("a", 3, 3)
             policy.observe_verification("b", 3, 0)

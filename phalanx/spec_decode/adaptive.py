@@ -569,8 +569,9 @@ class AdaptiveDrafting:
         """Draft lengths for the requests that reach their end this step (verified next step, in
         a batch of about `base_rows` rows besides the drafts). Until a step of about that size
         (within the fit's cut) was measured, and `min_drafting_steps` steps ran the drafter, every
-        request gets its cap (static drafting), which is also what gives the first measurements. `lags`: per request, the positions its
-        drafter catch-up has waiting (fed when it drafts again; None: none wait). The policy
+        request gets its cap (static drafting), which is also what gives the first measurements.
+        `lags`: per request, the positions its drafter catch-up has waiting (fed when it drafts
+        again; None: none wait). The policy
         itself does not price them (a request that drafts again later feeds them then anyway);
         the explorations do, being one-off: the one-request exploration takes the request with
         the shortest wait, and the whole batch at its caps is tried only where it comes within

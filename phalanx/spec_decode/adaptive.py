@@ -582,10 +582,10 @@ class AdaptiveDrafting:
             return list(caps)
         caps = [min(c, self.k) for c in caps]
         key = (tuple(req_ids), tuple(caps), base_rows)
+        self._decisions += 1
         last = self._last
-        if (last is not None and last[0] == key and self._decisions + 1 - last[2] < REUSE_DECISIONS
-                and (self._decisions + 1) % EXPLORE_EVERY):
-            self._decisions += 1
+        if (last is not None and last[0] == key and self._decisions - last[2] < REUSE_DECISIONS
+                and self._decisions % EXPLORE_EVERY):  # an exploration due decides afresh
             return list(last[1])
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
@@ -598,7 +598,6 @@ class AdaptiveDrafting:
             rates = self.acceptance.rates(req_ids)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64),
                                            np.asarray(step_cost), pass_cost, first_cost).tolist()
-        self._decisions += 1
         self._last = (key, list(lengths), self._decisions)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0

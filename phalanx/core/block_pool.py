@@ -7,8 +7,15 @@ Does not own: which request holds which blocks (``kv_cache_manager``), or the KV
 
 Invariants (tested by property tests):
 * a block is in the free queue iff its ref_cnt == 0;
-* a cached block (block_hash set) is in `cached` under that hash until it is evicted for reuse;
+* `cached` maps a hash to a block carrying that hash; a block with a hash stays there until it is
+  evicted for reuse, unless a block with the same hash and drafter KV took its place (below);
 * free blocks that still carry a hash can be revived by a prefix hit (`touch`).
+
+Drafter KV. With a model-based drafter (EAGLE, a draft model) a block also holds the drafter's KV
+for its positions, or not: a request that never drafts (opted out) never feeds the drafter, and a
+waiting request's catch-up has not reached it yet. `drafter_kv` says which; a request that drafts
+takes prefix hits only up to the first block without it, and a block whose catch-up arrives is
+marked then. Of two blocks with the same hash, the one with drafter KV is the one `cached` serves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    drafter_kv: bool = True  # its drafter KV is complete (meaningful while block_hash is set)
 
 
 class BlockPool:
@@ -56,6 +64,7 @@ class BlockPool:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
+            block.drafter_kv = True
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -80,9 +89,19 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
-        """Register a full, computed block under its chained hash (first writer wins)."""
-        if not self.enable_caching or block.block_hash is not None:
+    def cache_block(self, block: KVBlock, block_hash: int, drafter_kv: bool = True) -> None:
+        """Register a full, computed block under its chained hash (of two blocks with one hash the
+        first wins, unless only the second holds drafter KV), or mark a registered block's drafter
+        KV complete (`drafter_kv` True for a block registered without it)."""
+        if not self.enable_caching:
             return
-        block.block_hash = block_hash
-        self.cached.setdefault(block_hash, block)
+        if block.block_hash is None:
+            block.block_hash = block_hash
+            block.drafter_kv = drafter_kv
+        elif drafter_kv and not block.drafter_kv:
+            block.drafter_kv = True
+        else:
+            return
+        held = self.cached.get(block_hash)
+        if held is None or (block.drafter_kv and not held.drafter_kv):
+            self.cached[block_hash] = block

@@ -41,8 +41,9 @@ class KVCacheManager:
         return hashes
 
     # ---- prefix hits ---------------------------------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of `req` in whole blocks, leaving at least one token to compute."""
+    def get_computed_blocks(self, req: Request, need_drafter_kv: bool = False) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of `req` in whole blocks, leaving at least one token to compute;
+        `need_drafter_kv` (a request that drafts): only blocks whose drafter KV is complete."""
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed, so they never read the cache.
             return [], 0
@@ -51,7 +52,7 @@ class KVCacheManager:
         hit: list[KVBlock] = []
         for h in hashes[:max_blocks]:
             block = self.pool.lookup(h)
-            if block is None:
+            if block is None or (need_drafter_kv and not block.drafter_kv):
                 break
             hit.append(block)
         return hit, len(hit) * self.block_size
@@ -85,19 +86,22 @@ class KVCacheManager:
         blocks.extend(fresh)
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
 
-    def cache_computed_blocks(self, req: Request, upto: int | None = None) -> None:
+    def cache_computed_blocks(self, req: Request, drafter_upto: int | None = None) -> None:
         """Register every block fully covered by computed (verified) tokens in the prefix cache;
-        `upto`: only blocks below this position (a drafter's KV is complete only that far)."""
+        `drafter_upto`: a drafter's KV is complete only below this position (None: everywhere, or
+        no drafter KV to speak of), the blocks past it are registered without drafter KV and
+        marked when it gets there."""
         if not self.enable_caching:
             return
         end = min(req.num_computed_tokens, req.num_tokens)
-        num_full = (end if upto is None else min(end, upto)) // self.block_size
         blocks = self.req_blocks.get(req.req_id, [])
-        num_full = min(num_full, len(blocks))
+        num_full = min(end // self.block_size, len(blocks))
+        with_drafter = num_full if drafter_upto is None else min(num_full, drafter_upto // self.block_size)
         hashes = self._block_hashes(req, num_full)
         for i in range(num_full):
-            if blocks[i].block_hash is None:
-                self.pool.cache_block(blocks[i], hashes[i])
+            block = blocks[i]
+            if block.block_hash is None or (i < with_drafter and not block.drafter_kv):
+                self.pool.cache_block(block, hashes[i], i < with_drafter)
 
     def free(self, req: Request, forget_hashes: bool = True) -> None:
         """Return the request's blocks (tail first). Preemption keeps the hashes for re-admission."""

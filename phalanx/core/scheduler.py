@@ -171,7 +171,9 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 held_back.append(self.waiting.popleft())
                 continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            # a request that drafts needs its prefix's drafter KV too (one that never drafts does not)
+            drafts = req.sampling_params.draft_cap(self.num_spec_tokens) > 0
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req, need_drafter_kv=drafts)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break

@@ -68,6 +68,7 @@ class EagleProposer:
         self.passes_run = 0
         self.rows_fed = 0
         self._waiting: dict[str, Waiting] = {}
+        self._skipped: set[str] = set()  # opted-out requests: never fed (``proposer``)
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         cfg = self.head.config
@@ -79,12 +80,14 @@ class EagleProposer:
 
     def start_request(self, req_id: str, num_computed: int) -> None:
         self._waiting.pop(req_id, None)  # the head's progress is the target's num_computed
+        self._skipped.discard(req_id)
 
     def finish_request(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
+        self._skipped.discard(req_id)
 
     def drafter_kv_ends(self) -> dict[str, int]:
-        return {r: w.start for r, w in self._waiting.items()}
+        return {**{r: w.start for r, w in self._waiting.items()}, **dict.fromkeys(self._skipped, 0)}
 
     def _run(self, p: DrafterPass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if p.num_pad:  # padding rows carry zero features
@@ -116,6 +119,9 @@ class EagleProposer:
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
             nc, nv = batch.num_computed[i], batch.num_valid[i]
+            if batch.skips_drafter(i):
+                self._skipped.add(req_id)
+                continue
             if nv == 0 or nc + nv + k > self.room:
                 continue
             waiting = self._waiting.get(req_id)

@@ -28,6 +28,11 @@ positions are always fed, and a request's blocks are published to the prefix cac
 its drafter KV is complete (`drafter_kv_ends`, read by the scheduler), so a prefix-cache hit always
 brings the drafter's KV along. A wait longer than `MAX_LAG` positions is caught up at once (it
 bounds the target features an EAGLE head keeps per request).
+
+A request opted out of speculation by its own parameters (`speculative: false`, a cap of 0) never
+feeds the drafter, not even its prompt (outside lockstep): the drafter costs it nothing. Its blocks
+go to the prefix cache marked without drafter KV (`drafter_kv_ends` reports 0 for it); requests
+that draft take hits only up to the first such block (``core.block_pool``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,14 @@ class ProposeBatch:
     pass_sizes: tuple[int, ...] | None = None
     # Wraps drafter pass j (labels the collectives it issues for the debug checker).
     pass_context: Callable[[int], AbstractContextManager[None]] = lambda j: nullcontext()
+    # per request: its own parameters give it no drafts, ever (`speculative: false`, a cap of 0);
+    # empty: none does
+    opted_out: list[bool] = field(default_factory=list)
+
+    def skips_drafter(self, i: int) -> bool:
+        """Request i never reaches the drafter: it is opted out and no vote sized pass 1 for it
+        (lockstep feeds every position)."""
+        return self.pass_sizes is None and bool(self.opted_out) and self.opted_out[i]
 
 
 class Proposer(Protocol):

@@ -300,6 +300,7 @@ class ModelRunner:
         pass_sizes: tuple[int, ...] | None,
     ) -> list[list[int]]:
         assert self.proposer is not None
+        k = self.proposer.num_speculative_tokens
         offsets, num_valid, num_drafts = [], [], []
         offset = 0
         for i, req_id in enumerate(req_ids):
@@ -323,6 +324,7 @@ class ModelRunner:
             target_aux=aux,
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
+            opted_out=[self.requests[r].sampling_params.draft_cap(k) == 0 for r in req_ids],
         )
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model

@@ -6,9 +6,9 @@ drafter only its prompt positions; its generated ones wait until it drafts again
   writes the same drafter KV as one position per step; outputs equal plain decoding;
 * a step where no request drafts and none feeds a prompt runs no drafter pass;
 * a wait never grows past MAX_LAG positions;
-* a waiting request's blocks are not published to the prefix cache past its drafter KV: a later
-  request sharing its prompt and answer (a second chat turn) hits only the blocks whose drafter KV
-  is complete, and drafts exactly as well as on a miss;
+* a waiting request's blocks past its drafter KV go to the prefix cache marked without it: a later
+  drafting request sharing its prompt and answer (a second chat turn) hits only the blocks whose
+  drafter KV is complete, and drafts exactly as well as on a miss;
 * lockstep (the vote sized pass 1 for every position) never defers.
 """
 
@@ -123,7 +123,7 @@ def test_a_second_turn_hits_only_blocks_with_drafter_kv(method: str, models: dic
     """Turn 1 runs beside two longer requests with `disable_by_batch_size` 2: it never drafts, so its
     answer's positions never reach the drafter. Turn 2 (its prompt + answer + more) hits the prefix
     cache only on the prompt's whole blocks and, its drafter agreeing with the target on every
-    token, accepts as much as on a miss; publishing turn 1's answer blocks would have left it
+    token, accepts as much as on a miss; a hit on turn 1's answer blocks would have left it
     drafting from missing drafter KV there."""
     block = 8
     if method == "draft":  # the draft is the target itself

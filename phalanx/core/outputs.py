@@ -85,8 +85,9 @@ class ModelRunnerOutput:
     # Drafter forwards this step ran (pass 1 + one per draft position; the voted ones in lockstep).
     num_drafter_passes: int = 0
     drafter_rows_fed: int = 0  # positions the drafter's first pass fed
-    # Requests whose drafter catch-up waits (``spec_decode.proposer``): the first position without
-    # drafter KV; their blocks from there on are not published to the prefix cache.
+    # Requests whose drafter catch-up waits, or that never feed the drafter (opted out; 0)
+    # (``spec_decode.proposer``): the first position without drafter KV; their blocks from there on
+    # go to the prefix cache marked without it.
     drafter_kv_end: dict[str, int] = field(default_factory=dict)
 
 

@@ -109,7 +109,8 @@ class Proposer(Protocol):
 
     def drafter_kv_ends(self) -> dict[str, int]:
         """Each request whose catch-up is deferred: the first position without drafter KV (its
-        blocks from there on stay out of the prefix cache). Requests caught up are absent."""
+        blocks from there on go to the prefix cache marked without it); an opted-out request that
+        never feeds the drafter: 0. Requests caught up are absent."""
         ...
 
 

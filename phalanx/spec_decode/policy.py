@@ -23,7 +23,8 @@ target's verification of the extra rows, measured at the current batch size; non
 first_cost what drafting anything costs besides its rows (a model drafter's first pass, run only
 when some request drafts: the others' catch-up waits; and verifying drafts at all) and pass_cost
 one more drafter pass (n-gram lookup runs no passes: 0).
-The policy maximises tokens per unit of time, tokens(d) / time(d).
+The policy maximises tokens per unit of time, tokens(d) / time(d), and drafts at all only where
+that beats drafting nothing by more than `min_gain` (a share: the model's error margin).
 
 Why the search is exact and small. For a fixed largest depth D and a fixed number of draft rows m
 the time is fixed, so the best choice is the m largest gains among positions j <= min(cap_i, D);
@@ -71,10 +72,12 @@ def choose_draft_lengths(
     step_cost: np.ndarray,  # [M + 1], M = caps.sum(): step time with m draft rows, non-decreasing, > 0
     pass_cost: float,  # time of one drafter pass after the first (0: no passes)
     first_cost: float = 0.0,  # what drafting anything costs besides its rows (first pass, verification)
+    min_gain: float = 0.0,  # drafting must beat drafting nothing by more than this share
 ) -> np.ndarray:  # [R] int64, 0 <= lengths <= caps
-    """The draft lengths that maximise expected tokens per unit of step time (module docstring).
-    Pure: reads its arguments only, changes none of them. Among equally good choices it takes the
-    one with the fewest passes, then the fewest draft rows."""
+    """The draft lengths that maximise expected tokens per unit of step time (module docstring),
+    or none where the best beats drafting nothing by `min_gain` or less. Pure: reads its arguments
+    only, changes none of them. Among equally good choices it takes the one with the fewest
+    passes, then the fewest draft rows."""
     num_reqs, k = accept.shape
     caps = np.minimum(np.asarray(caps, dtype=np.int64), k)  # [R]
     lengths = np.zeros(num_reqs, dtype=np.int64)
@@ -97,8 +100,8 @@ def choose_draft_lengths(
     total = np.cumsum(np.where(within, g[None, :], 0.0), axis=1)  # [D, n] their gain
     ratio = (num_reqs + total) / (step_cost[rows] + first_cost + pass_cost * (depths[:, None] - 1))  # [D, n]
     best = int(np.argmax(ratio))  # the first maximum: fewest passes, then fewest rows
-    if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + 1e-12):
-        return lengths  # drafting nothing is at least as good
+    if not ratio.flat[best] > (num_reqs / float(step_cost[0])) * (1.0 + max(min_gain, 1e-12)):
+        return lengths  # drafting nothing is at least as good (or not worse by more than min_gain)
     d, t = divmod(best, ratio.shape[1])
     chosen = np.nonzero(allowed)[0][order[: t + 1][within[d, : t + 1]]]  # request of each chosen position
     np.add.at(lengths, chosen, 1)  # a prefix of each request's positions: its length
@@ -111,6 +114,7 @@ def choose_draft_lengths_small(
     step_cost: list[float],  # [sum of caps + 1]
     pass_cost: float,
     first_cost: float = 0.0,
+    min_gain: float = 0.0,
 ) -> list[int]:
     """`choose_draft_lengths` in plain Python, the same choice computed the same way (the same
     order, the same sums, the same ties): between forward passes, where the scheduler runs with cold
@@ -141,7 +145,7 @@ def choose_draft_lengths_small(
             ratio = (num_reqs + total) / (step_cost[rows] + first_cost + pass_cost * (depth - 1))
             if ratio > best_ratio:  # the first maximum: fewest passes, then fewest rows
                 best_ratio, best = ratio, (depth, t)
-    if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + 1e-12):
+    if not best_ratio > (num_reqs / step_cost[0]) * (1.0 + max(min_gain, 1e-12)):
         return lengths
     depth, last = best
     for item in order[: last + 1]:

@@ -83,6 +83,33 @@ def test_the_plain_python_path_chooses_the_same(problem) -> None:  # noqa: ANN00
     assert small == choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost).tolist()
 
 
+@settings(max_examples=300, deadline=None)
+@given(_problems(), st.sampled_from([0.0, 0.03, 0.2]))
+def test_drafting_must_beat_drafting_nothing_by_the_minimum_gain(problem, min_gain) -> None:  # noqa: ANN001
+    """With `min_gain` the choice is the optimum where that beats drafting nothing by more than
+    min_gain, and nothing elsewhere; both paths agree."""
+    accept, caps, step_cost, pass_cost, first_cost = problem
+    best = choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost)
+    lengths = choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost, min_gain)
+    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost, first_cost,
+                                       min_gain)
+    assert small == lengths.tolist()
+    gain = _ratio(accept, best, step_cost, pass_cost, first_cost) / (caps.shape[0] / step_cost[0]) - 1.0
+    if gain > min_gain * (1 + 1e-6) + 1e-9:
+        assert lengths.tolist() == best.tolist()
+    elif gain <= min_gain * (1 - 1e-6):
+        assert (lengths == 0).all()
+
+
+def test_a_small_predicted_gain_is_not_drafted_for() -> None:
+    """Two requests accepting 30 %, a draft row costing ~0.137 of a step: one draft each is +2 %
+    (2.6 tokens in 1.2745 against 2 in 1), below a 3 % minimum."""
+    accept, caps = np.full((2, 1), 0.3), np.array([1, 1])
+    step_cost = np.array([1.0, 1.137, 1.2745])
+    assert choose_draft_lengths(accept, caps, step_cost, 0.0).tolist() == [1, 1]
+    assert choose_draft_lengths(accept, caps, step_cost, 0.0, min_gain=0.03).tolist() == [0, 0]
+
+
 @settings(max_examples=100, deadline=None)
 @given(_problems())
 def test_an_equally_good_choice_with_fewer_drafts_is_preferred(problem) -> None:  # noqa: ANN001

@@ -49,6 +49,7 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs, as known to the runner
+    opted_out: bool = False  # its own parameters give it no drafts, ever (it never reaches the drafter)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -156,6 +157,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+                opted_out=self.proposer is not None and params.draft_cap(self.proposer.num_speculative_tokens) == 0,
             )
             if self.proposer is not None:
                 self.proposer.start_request(new.req_id, new.num_computed_tokens)
@@ -300,7 +302,6 @@ class ModelRunner:
         pass_sizes: tuple[int, ...] | None,
     ) -> list[list[int]]:
         assert self.proposer is not None
-        k = self.proposer.num_speculative_tokens
         offsets, num_valid, num_drafts = [], [], []
         offset = 0
         for i, req_id in enumerate(req_ids):
@@ -324,7 +325,7 @@ class ModelRunner:
             target_aux=aux,
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
-            opted_out=[self.requests[r].sampling_params.draft_cap(k) == 0 for r in req_ids],
+            opted_out=[self.requests[r].opted_out for r in req_ids],
         )
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model

@@ -34,8 +34,10 @@ SMALL_PROBLEM = 128
 EXPLORE_EVERY = 16
 # An exploration the model predicts to cost more than this share of the step's tokens per second
 # (the row crosses an edge of the GEMM's row tiles: on AMX the 33rd row of a batch costs ~14 % of a
-# 32-row forward) runs only every COSTLY_EXPLORE_EVERY decisions: it still measures what the model
-# may have wrong (the pass, the rest of the step), at a quarter of the rate.
+# 32-row forward, or the request it drafts for must first feed its drafter a long wait: the demo
+# at four requests, half of them not drafting, spent ~1 % of its time on catch-ups of ~100
+# positions for one draft each) runs only every COSTLY_EXPLORE_EVERY decisions: it still measures
+# what the model may have wrong (the pass, the rest of the step), at a quarter of the rate.
 EXPLORE_MARGIN = 0.95
 COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # Every this many decisions every request drafts its cap, if the policy chose less and the model
@@ -615,9 +617,14 @@ class AdaptiveDrafting:
                 return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
             explored = list(lengths)
-            explore(explored, caps, lags)
+            i = explore(explored, caps, lags)
+            if i is None:
+                return lengths
+            # a request that did not draft catches its drafter up first: its wait is part of the price
+            lag = lags[i] if lags and lengths[i] == 0 else 0
+            catch_up = self.costs.catch_up_cost(base_rows) * lag if lag else 0.0
             if (self._decisions % COSTLY_EXPLORE_EVERY == 0
-                    or step_rate(rates, explored, step_cost, pass_cost, first_cost)
+                    or step_rate(rates, explored, step_cost, pass_cost, first_cost, catch_up)
                     >= EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost)):
                 return explored
         return lengths
@@ -635,11 +642,15 @@ class AdaptiveDrafting:
         self.acceptance.forget(req_id)
 
 
-def explore(lengths: list[int], caps: list[int], lags: list[int] | None = None) -> None:
+def explore(lengths: list[int], caps: list[int], lags: list[int] | None = None) -> int | None:
     """One draft more, in place, for a request below its cap: the one with the shortest drafter
     catch-up waiting (`lags`; a drafting request has none), among those the longest length (a row
-    more, and a pass more when it was the deepest), the first such in batch order."""
+    more, and a pass more when it was the deepest), the first such in batch order. Returns its
+    index (None: every request is at its cap)."""
     room = [i for i, (n, c) in enumerate(zip(lengths, caps)) if n < c]
-    if room:
-        lag = lags if lags is not None else [0] * len(lengths)
-        lengths[min(room, key=lambda i: (lag[i], -lengths[i], i))] += 1
+    if not room:
+        return None
+    lag = lags if lags is not None else [0] * len(lengths)
+    i = min(room, key=lambda i: (lag[i], -lengths[i], i))
+    lengths[i] += 1
+    return i

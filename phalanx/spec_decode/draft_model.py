@@ -30,6 +30,7 @@ from phalanx.models.registry import load_model
 from phalanx.ops import cpu as cpu_ops
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.spec_decode.proposer import (
+    MAX_DRAFT_MODEL_LAG,
     DrafterPass,
     Feed,
     ProposeBatch,
@@ -64,6 +65,7 @@ class DraftModelProposer:
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.num_lookahead_slots = spec.num_speculative_tokens
         self.room = drafter_room(spec, target_cfg)
+        self.max_lag = MAX_DRAFT_MODEL_LAG  # the longest wait (``proposer``)
         cfg = ModelConfig.from_hf(spec.model, target_cfg.dtype, max(self.room, 2))
         self.config = cfg
         shard = expert_shard if cfg.is_moe else None
@@ -129,7 +131,7 @@ class DraftModelProposer:
             end = len(tokens) if batch.num_drafts[i] > 0 else batch.num_computed[i] + batch.num_valid[i]
             end = min(end, self.room)
             start = self._computed.get(req_id, batch.num_computed[i])
-            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer)
+            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer, self.max_lag)
             if upto < end:
                 self._behind.add(req_id)
             else:

@@ -37,19 +37,39 @@ from phalanx.spec_decode.proposer import (
     drafter_pass,
     drafter_room,
     feed_range,
+    max_lag,
     num_passes,
     pass_size,
     uniform_grid,
 )
 
 
+class Chunk(NamedTuple):
+    """One step's waiting positions of one request: rows [a, b) of `source`, the step's target
+    features themselves (EAGLE-3: its three aux tensors) where the positions that wait make up at
+    least half of the step's rows, else a gather of just those rows (so a step's tensors stay alive
+    for a wait only where the wait holds most of them)."""
+
+    source: tuple[torch.Tensor, ...]
+    a: int
+    b: int
+
+    def raw(self) -> torch.Tensor:  # [b - a, F] the features before the head's fc
+        if len(self.source) == 1:
+            return self.source[0][self.a : self.b]
+        return torch.cat([t[self.a : self.b] for t in self.source], dim=-1)
+
+
 class Waiting(NamedTuple):
     """A request's positions not yet fed to the head: from `start` on, with their raw target
-    features (`_raw`), one chunk per step: rows of that step's gathered tensor (views: a step's
-    gather stays alive while one of its requests waits; fc runs only when they are fed)."""
+    features, one chunk per step (fc runs only when they are fed)."""
 
     start: int
-    rows: list[torch.Tensor]
+    chunks: list[Chunk]
+
+    @property
+    def num_positions(self) -> int:
+        return sum(c.b - c.a for c in self.chunks)
 
 
 class EagleProposer:
@@ -63,6 +83,9 @@ class EagleProposer:
         self.head = load_eagle_head(spec.model, spec.method, target_model)
         self.is_eagle3 = isinstance(self.head, Eagle3Head)
         self.aux_layer_ids: tuple[int, ...] = self.head.aux_layer_ids if isinstance(self.head, Eagle3Head) else ()
+        # a waiting position keeps its raw features: the target's hidden state (EAGLE-3: one per aux layer)
+        row_bytes = max(len(self.aux_layer_ids), 1) * target_cfg.hidden_size * target_cfg.dtype.itemsize
+        self.max_lag = max_lag(row_bytes)  # the longest wait (``proposer``)
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 16
         self.passes_run = 0
@@ -115,7 +138,7 @@ class EagleProposer:
         fed_rows: list[int] = []  # target rows of this step's positions fed now, in feed order
         kept: list[Waiting | None] = []  # per feed: the positions it waited with (fed first)
         wait_rows: list[int] = []  # target rows of positions that wait
-        wait_spans: list[tuple[str, int, int]] = []  # (request, its first waiting position, rows)
+        wait_spans: list[tuple[str, int, int, int]] = []  # (request, first waiting position, first row, rows)
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
             nc, nv = batch.num_computed[i], batch.num_valid[i]
@@ -126,7 +149,7 @@ class EagleProposer:
                 continue
             waiting = self._waiting.get(req_id)
             start, end = (nc if waiting is None else waiting.start), nc + nv
-            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer)
+            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer, self.max_lag)
             off = batch.token_offsets[i] - nc  # target row of position p: off + p
             if upto > start:
                 # position t consumes token t + 1: positions [start, upto) <- tokens [start + 1, upto + 1)
@@ -137,7 +160,7 @@ class EagleProposer:
                     drafting.append(len(feeds) - 1)
             if upto < end:
                 wait_rows.extend(range(off + max(upto, nc), off + end))
-                wait_spans.append((req_id, upto, end - max(upto, nc)))
+                wait_spans.append((req_id, upto, off + max(upto, nc), end - max(upto, nc)))
         if wait_rows:
             self._wait(batch, wait_rows, wait_spans)
         drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
@@ -152,8 +175,8 @@ class EagleProposer:
             for f, w in zip(feeds, kept):
                 n = len(f.token_ids)  # positions fed: the waiting ones, then this step's
                 if w is not None:
-                    pieces.extend(w.rows)
-                    n -= sum(len(c) for c in w.rows)
+                    pieces.extend(c.raw() for c in w.chunks)
+                    n -= w.num_positions
                 pieces.append(raw[at : at + n])
                 at += n
             raw = torch.cat(pieces)
@@ -200,13 +223,24 @@ class EagleProposer:
     def _fuse(self, raw: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n, H] the head's input features
         return self.head.fc(raw) if self.is_eagle3 else raw
 
-    def _wait(self, batch: ProposeBatch, rows: list[int], spans: list[tuple[str, int, int]]) -> None:
-        """Keep the raw features of the positions that wait, per request."""
-        raw = self._raw(batch, rows)
-        at = 0
-        for req_id, first, n in spans:
+    def _wait(self, batch: ProposeBatch, rows: list[int], spans: list[tuple[str, int, int, int]]) -> None:
+        """Keep the raw features of the positions that wait, per request (`spans`: request, its first
+        waiting position, its first row in the step's features, rows). Where they are at least half
+        of the step's rows the chunks are views of the step's own tensors (no copy: at low load, where
+        most requests wait, that gather cost more than the rest of the proposer's step); else one
+        gather of just those rows."""
+        assert batch.target_hidden is not None
+        step = tuple(batch.target_aux) if self.is_eagle3 else (batch.target_hidden,)
+        if 2 * len(rows) >= step[0].shape[0]:
+            source, at = step, None
+        else:
+            source, at = (self._raw(batch, rows),), 0
+        for req_id, first, row, n in spans:
             waiting = self._waiting.get(req_id)
             if waiting is None:
                 waiting = self._waiting[req_id] = Waiting(first, [])
-            waiting.rows.append(raw[at : at + n])
-            at += n
+            if at is None:
+                waiting.chunks.append(Chunk(source, row, row + n))
+            else:
+                waiting.chunks.append(Chunk(source, at, at + n))
+                at += n

@@ -24,10 +24,14 @@ drafter its new positions: they wait (`feed_range`) until it drafts again, and a
 one pass with its new ones. Under load, where the policy (or `disable_by_batch_size`) drafts for
 few requests or none, pass 1 then runs for the drafting requests only, or not at all, instead of
 over the whole batch every step; a request that never drafts again never pays for it. Prompt
-positions are always fed, and a request's blocks are published to the prefix cache only up to where
-its drafter KV is complete (`drafter_kv_ends`, read by the scheduler), so a prefix-cache hit always
-brings the drafter's KV along. A wait longer than `MAX_LAG` positions is caught up at once (it
-bounds the target features an EAGLE head keeps per request).
+positions are always fed: a request's blocks past its drafter KV go to the prefix cache marked
+without it (`drafter_kv_ends`, read by the scheduler), and a request that may draft takes hits only
+up to the first such block, so a hit it takes always brings the drafter's KV along; a prompt that
+waited would make every later request sharing it (a system prompt, an earlier turn) recompute
+it. A wait that would grow past the proposer's `max_lag`
+positions is caught up at once: for an EAGLE head, the positions whose raw target features fit
+in `MAX_WAIT_BYTES` (the memory it keeps per waiting request); for a draft model, which keeps
+nothing per position, `MAX_DRAFT_MODEL_LAG`.
 
 A request opted out of speculation by its own parameters (`speculative: false`, a cap of 0) never
 feeds the drafter, not even its prompt (outside lockstep): the drafter costs it nothing. Its blocks
@@ -132,8 +136,20 @@ def build_proposer(
     return registry[spec.method](spec, target_model, target_cfg)  # type: ignore[no-any-return]
 
 
-# The most positions a request's drafter catch-up waits for (module docstring).
-MAX_LAG = 256
+# The most bytes of raw target features an EAGLE head keeps for one waiting request: a wait that
+# would hold more is caught up at once (module docstring). 2 MiB: 606 positions on SmolLM2's
+# EAGLE-3 head (3 x 576 bf16 a position: the answer to a code-like prompt of ~250 tokens waits
+# whole), 85 on Llama-3-8B's (3 x 4096), 8,192 on the demo's EAGLE-1 (128 bf16) — beside the
+# target's KV for the same positions (23 KB a position on SmolLM2, 128 KB on Llama-3-8B), a sixth.
+MAX_WAIT_BYTES = 2 << 20
+# A draft model keeps nothing per waiting position (it re-reads the tokens): its wait is bounded
+# only so that one catch-up pass stays the size of a prefill chunk.
+MAX_DRAFT_MODEL_LAG = 2048
+
+
+def max_lag(row_bytes: int) -> int:
+    """The most positions a wait of a drafter that keeps `row_bytes` per waiting position may reach."""
+    return max(MAX_WAIT_BYTES // max(row_bytes, 1), 1)
 
 
 def feed_range(
@@ -142,11 +158,12 @@ def feed_range(
     prompt_len: int,
     drafting: bool,
     may_defer: bool,  # False in lockstep: the vote sized pass 1 for every position
+    lag: int,  # the proposer's bound on a wait, in positions
 ) -> int:
     """Where this step's feed ends: the drafter takes [caught_up, result) now and [result, end)
     waits. A drafting request takes everything; otherwise only prompt positions, unless the wait
-    would grow past MAX_LAG."""
-    if drafting or not may_defer or end - caught_up > MAX_LAG:
+    would grow past `lag`."""
+    if drafting or not may_defer or end - caught_up > lag:
         return end
     return min(end, max(caught_up, prompt_len))
 

@@ -5,7 +5,7 @@ drafter only its prompt positions; its generated ones wait until it drafts again
   model; fp32, and bf16 on the batch-invariant kernels): a catch-up of many positions in one pass
   writes the same drafter KV as one position per step; outputs equal plain decoding;
 * a step where no request drafts and none feeds a prompt runs no drafter pass;
-* a wait never grows past MAX_LAG positions;
+* a wait never grows past the proposer's bound (`max_lag`);
 * a waiting request's blocks past its drafter KV go to the prefix cache marked without it: a later
   drafting request sharing its prompt and answer (a second chat turn) hits only the blocks whose
   drafter KV is complete, and drafts exactly as well as on a miss;
@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import LLM, SamplingParams
-from phalanx.spec_decode import proposer as proposer_module
-from phalanx.spec_decode.proposer import MAX_LAG, feed_range
+from phalanx.spec_decode.proposer import MAX_DRAFT_MODEL_LAG, feed_range, max_lag
 from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
 
 K = 3
@@ -52,45 +51,43 @@ def _spec(method: str, models: dict[str, Path], **extra: object) -> dict:
     return {"model": str(models[method]), "num_speculative_tokens": K, **kind, **extra}
 
 
-def _run(models: dict[str, Path], method: str, dtype: str, max_lag: int | None,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, list]:
+def _run(models: dict[str, Path], method: str, dtype: str, max_lag: int | None) -> tuple[list, list, list]:
     """16 requests of staggered lengths, drafting only once 4 or fewer are left
     (`disable_by_batch_size`): every request waits, then catches up a long stretch at once.
+    `max_lag`: the proposer's bound on a wait (None: its own; -1: never waits).
     Returns (outputs, every proposal, per proposal: (requests, passes run, waiting requests))."""
-    with monkeypatch.context() as m:
-        if max_lag is not None:
-            m.setattr(proposer_module, "MAX_LAG", max_lag)
-        llm = LLM(str(models["target"]), dtype=dtype, max_num_batched_tokens=512,
-                  speculative_config=_spec(method, models, disable_by_batch_size=4))
-        proposer = llm.engine.runner.proposer
-        calls: list[tuple[list[str], list[list[int]]]] = []
-        seen: list[tuple[int, int, int]] = []
-        propose = proposer.propose
+    llm = LLM(str(models["target"]), dtype=dtype, max_num_batched_tokens=512,
+              speculative_config=_spec(method, models, disable_by_batch_size=4))
+    proposer = llm.engine.runner.proposer
+    if max_lag is not None:
+        proposer.max_lag = max_lag
+    calls: list[tuple[list[str], list[list[int]]]] = []
+    seen: list[tuple[int, int, int]] = []
+    propose = proposer.propose
 
-        def spy(batch):  # noqa: ANN001, ANN202
-            drafts = propose(batch)
-            calls.append((list(batch.req_ids), [list(d) for d in drafts]))
-            waiting = [r for r in batch.req_ids if r in proposer.drafter_kv_ends()]
-            seen.append((len(batch.req_ids), proposer.passes_run, len(waiting)))
-            for w in getattr(proposer, "_waiting", {}).values():  # EAGLE keeps the waiting features
-                assert sum(len(c) for c in w.rows) <= proposer_module.MAX_LAG
-            return drafts
+    def spy(batch):  # noqa: ANN001, ANN202
+        drafts = propose(batch)
+        calls.append((list(batch.req_ids), [list(d) for d in drafts]))
+        waiting = [r for r in batch.req_ids if r in proposer.drafter_kv_ends()]
+        seen.append((len(batch.req_ids), proposer.passes_run, len(waiting)))
+        for w in getattr(proposer, "_waiting", {}).values():  # EAGLE keeps the waiting features
+            assert w.num_positions <= max(proposer.max_lag, 0)
+        return drafts
 
-        proposer.propose = spy
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(9, 41, 2)]
-        outs = llm.generate(_prompts(16, seed=1), params, use_tqdm=False)
+    proposer.propose = spy
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(9, 41, 2)]
+    outs = llm.generate(_prompts(16, seed=1), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], calls, seen
 
 
 @pytest.mark.parametrize(("method", "dtype"), [("eagle", "float32"), ("eagle3", "float32"), ("draft", "float32"),
                                                ("eagle3", "bfloat16")])  # fmt: skip
-def test_deferred_catch_up_drafts_the_same(method: str, dtype: str, models: dict[str, Path],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deferred_catch_up_drafts_the_same(method: str, dtype: str, models: dict[str, Path]) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(9, 41, 2)]
     plain = [o.outputs[0].token_ids for o in
              LLM(str(models["target"]), dtype=dtype).generate(_prompts(16, seed=1), params, use_tqdm=False)]
-    deferred, calls, seen = _run(models, method, dtype, None, monkeypatch)
-    every_step, calls_fed, seen_fed = _run(models, method, dtype, -1, monkeypatch)  # -1: never waits
+    deferred, calls, seen = _run(models, method, dtype, None)
+    every_step, calls_fed, seen_fed = _run(models, method, dtype, -1)  # -1: never waits
     assert deferred == every_step == plain
     assert calls == calls_fed  # the same drafts for the same requests, step by step
     assert any(w > 0 for _, _, w in seen) and not any(w for _, _, w in seen_fed)
@@ -100,22 +97,28 @@ def test_deferred_catch_up_drafts_the_same(method: str, dtype: str, models: dict
     assert any(d for _, drafts in calls for d in drafts)
 
 
-def test_a_wait_is_bounded(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """With MAX_LAG = 6 a waiting request catches up every few steps; the drafts stay the same."""
-    capped, calls, seen = _run(models, "eagle3", "float32", 6, monkeypatch)
-    _, calls_fed, _ = _run(models, "eagle3", "float32", -1, monkeypatch)
+def test_a_wait_is_bounded(models: dict[str, Path]) -> None:
+    """With a bound of 6 positions a waiting request catches up every few steps; the drafts stay the
+    same."""
+    capped, calls, seen = _run(models, "eagle3", "float32", 6)
+    _, calls_fed, _ = _run(models, "eagle3", "float32", -1)
     assert calls == calls_fed
     assert any(w > 0 for _, _, w in seen)
 
 
 def test_feed_range() -> None:
-    # (caught up to, end of what could be fed, prompt length, drafting, may defer) -> feed up to
-    assert feed_range(10, 11, 5, True, True) == 11  # drafting: everything
-    assert feed_range(10, 11, 5, False, False) == 11  # lockstep: everything
-    assert feed_range(10, 11, 5, False, True) == 10  # a generated position waits
-    assert feed_range(0, 12, 9, False, True) == 9  # the prompt is fed, the first answer positions wait
-    assert feed_range(4, 12, 20, False, True) == 12  # all prompt
-    assert feed_range(10, 11 + MAX_LAG, 5, False, True) == 11 + MAX_LAG  # too long a wait: caught up
+    # (caught up to, end of what could be fed, prompt length, drafting, may defer, bound) -> feed up to
+    lag = 256
+    assert feed_range(10, 11, 5, True, True, lag) == 11  # drafting: everything
+    assert feed_range(10, 11, 5, False, False, lag) == 11  # lockstep: everything
+    assert feed_range(10, 11, 5, False, True, lag) == 10  # a generated position waits
+    assert feed_range(0, 12, 9, False, True, lag) == 9  # the prompt is fed, the first answer positions wait
+    assert feed_range(4, 12, 20, False, True, lag) == 12  # all prompt
+    assert feed_range(10, 10 + lag, 5, False, True, lag) == 10  # a wait of `lag` positions
+    assert feed_range(10, 11 + lag, 5, False, True, lag) == 11 + lag  # too long a wait: caught up
+    # An EAGLE head's bound keeps MAX_WAIT_BYTES of features; a draft model's only sizes one pass.
+    assert max_lag(3 * 576 * 2) == 606 and max_lag(3 * 4096 * 2) == 85 and max_lag(128 * 2) == 8192
+    assert MAX_DRAFT_MODEL_LAG == 2048
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle"])
@@ -172,8 +175,7 @@ def _drafts_by_position(llm: LLM) -> dict[tuple[str, int], list[int]]:
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft"])
-def test_waits_survive_preemption_chunking_and_prefix_hits(method: str, models: dict[str, Path],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waits_survive_preemption_chunking_and_prefix_hits(method: str, models: dict[str, Path]) -> None:
     """`disable_by_batch_size` 2 so that most steps defer, prompts chunked 10 tokens a step, a cache
     so small that waiting requests are preempted and recomputed, and (a roomier engine) a second
     round over the same prompts that hits the prefix cache: outputs are plain decoding's, and each
@@ -186,11 +188,12 @@ def test_waits_survive_preemption_chunking_and_prefix_hits(method: str, models: 
     plain = [o.outputs[0].token_ids for o in LLM(target, dtype="float32").generate(prompts, params, use_tqdm=False)]
     spec = _spec(method, models, disable_by_batch_size=2)
     runs = []
-    for max_lag in (proposer_module.MAX_LAG, -1):  # -1: never waits
-        monkeypatch.setattr(proposer_module, "MAX_LAG", max_lag)
+    for never_waits in (False, True):  # the proposer's own bound; none (every position fed every step)
         tight = LLM(target, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=20,
                     max_num_batched_tokens=10, speculative_config=spec)
         roomy = LLM(target, dtype="float32", block_size=4, max_num_batched_tokens=10, speculative_config=spec)
+        if never_waits:
+            tight.engine.runner.proposer.max_lag = roomy.engine.runner.proposer.max_lag = -1
         drafts = [_drafts_by_position(tight), _drafts_by_position(roomy)]
         for llm, rounds in ((tight, 1), (roomy, 2)):
             for _ in range(rounds):

@@ -528,19 +528,19 @@ def test_the_caps_stand_until_enough_steps_ran_the_drafter() -> None:
 
 def test_every_so_often_one_request_drafts_one_more() -> None:
     lengths = [1, 0, 1]
-    explore(lengths, [3, 3, 1])
+    assert explore(lengths, [3, 3, 1]) == 0
     assert lengths == [2, 0, 1]  # the longest with room: a row and a pass more
     lengths = [0, 0]
-    explore(lengths, [0, 2])
+    assert explore(lengths, [0, 2]) == 1
     assert lengths == [0, 1]
     lengths = [2, 1]
-    explore(lengths, [2, 1])  # no room anywhere
+    assert explore(lengths, [2, 1]) is None  # no room anywhere
     assert lengths == [2, 1]
     lengths = [0, 0, 0]
-    explore(lengths, [3, 3, 3], lags=[40, 3, 3])  # the shortest catch-up waiting, the first of equals
+    assert explore(lengths, [3, 3, 3], lags=[40, 3, 3]) == 1  # the shortest catch-up waiting, the first of equals
     assert lengths == [0, 1, 0]
     lengths = [1, 0]
-    explore(lengths, [3, 3], lags=[0, 0])
+    assert explore(lengths, [3, 3], lags=[0, 0]) == 0
     assert lengths == [2, 0]
     policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
     for _ in range(30):
@@ -566,6 +566,26 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(WIDE_EXPLORE_EVERY - 1)]
         assert [i for i, c in enumerate(chosen) if c != [1]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
         assert all(c == [2] for c in chosen if c != [1])
+
+
+def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None:
+    """"a" accepts every draft (it drafts its cap), "b" none (no drafts): every EXPLORE_EVERY-th
+    decision gives "b" one draft, a row of 0.1 of a 1 s step. With 200 positions of "b"'s drafter
+    catch-up waiting at 5 ms each that draft costs a second more: it is tried only every
+    COSTLY_EXPLORE_EVERY-th decision."""
+    for lag, every in ((0, EXPLORE_EVERY), (200, COSTLY_EXPLORE_EVERY)):
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
+        for _ in range(30):
+            policy.observe_verification("a", 3, 3)
+            policy.observe_verification("b", 3, 0)
+        policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+            [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
+        policy.costs.catch_up_cost = lambda rows: 0.005  # type: ignore[method-assign]
+        chosen = [policy.choose(["a", "b"], [3, 3], base_rows=2, lags=[0, lag])
+                  for _ in range(WIDE_EXPLORE_EVERY - 1)]
+        assert [i for i, c in enumerate(chosen) if c != [3, 0]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
+        assert all(c == [3, 1] for c in chosen if c != [3, 0])
 
 
 def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:

@@ -161,6 +161,10 @@ class StepFit(NamedTuple):
     drafter_row: float = 0.0  # the drafter's part of a row: what a waiting catch-up costs a position
 
 
+# The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
+_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "forward", "step")
+
+
 class StepCostModel:
     """Step time against the rows of the step's target forward and its drafter passes, fitted where
     the policy asks.
@@ -229,15 +233,17 @@ class StepCostModel:
         # amortizes over all drafting requests shrinks.
         self.row_ridge, self.pass_ridge, self.verify_ridge = row_ridge, pass_ridge, verify_ridge
         self._decay = 0.5 ** (1.0 / half_life)
-        self._rows = np.zeros(window)
-        self._logit_rows = np.zeros(window)
-        self._seconds = np.zeros(window)
-        self._drafter = np.zeros(window)  # drafter seconds (0 where it ran no pass)
-        self._passes = np.zeros(window)
-        self._verifies = np.zeros(window)  # 1.0 where the step verified drafts
-        self._fed = np.zeros(window)  # positions the drafter's first pass fed
-        self._forward = np.zeros(window)  # seconds in the target's forward and lm_head
-        self._step = np.full(window, -np.inf)  # the step count each entry was taken at; -inf: empty slot
+        # The window, one row per quantity (the named attributes are views of its rows). A step is
+        # queued as a tuple (`_pending`) and written when something reads the window (`_flush`):
+        # nine numpy stores a step, with cold caches between forward passes, cost ~5 us a step.
+        self._data = np.zeros((len(_FIELDS), window))
+        (self._rows, self._logit_rows, self._seconds, self._drafter, self._passes, self._verifies, self._fed,
+         self._forward, self._step) = self._data
+        self._step[:] = -np.inf  # -inf: an empty slot
+        # _drafter: seconds (0 where it ran no pass); _verifies: 1.0 where the step verified drafts;
+        # _fed: positions the drafter's first pass fed; _forward: seconds in the target's forward and
+        # lm_head; _step: the step count each entry was taken at
+        self._pending: list[tuple[float, ...]] = []
         self._next = 0
         self._count = 0
         self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
@@ -293,21 +299,31 @@ class StepCostModel:
         and `forward_seconds` in the target's forward and lm_head (None: all but the drafter's)."""
         if num_rows <= 0 or seconds <= 0:
             return
-        i = self._next
         self._count += 1
         self.drafting_steps += drafter_passes > 0
-        self._rows[i], self._seconds[i] = float(num_rows), seconds
-        self._logit_rows[i] = float(num_rows if num_logit_rows is None else num_logit_rows)
-        self._drafter[i], self._passes[i] = max(drafter_seconds, 0.0), float(drafter_passes)
-        target = max(seconds - self._drafter[i], 0.0)
-        self._forward[i] = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
-        self._verifies[i] = float(num_draft_rows > 0)
-        self._fed[i] = float(num_rows if drafter_rows is None else drafter_rows)
-        self._step[i] = self._count
-        self._next = (i + 1) % self.window
+        drafter = max(drafter_seconds, 0.0)
+        target = max(seconds - drafter, 0.0)
+        forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
+        self._pending.append((
+            num_rows, num_rows if num_logit_rows is None else num_logit_rows, seconds, drafter, drafter_passes,
+            num_draft_rows > 0, num_rows if drafter_rows is None else drafter_rows, forward, self._count,
+        ))
+        if len(self._pending) >= self.window:
+            self._flush()
         self._seconds_seen += seconds
 
+    def _flush(self) -> None:
+        """Write the queued steps into the window (the oldest entries make room)."""
+        if not self._pending:
+            return
+        n = len(self._pending)
+        slots = (self._next + np.arange(n)) % self.window
+        self._data[:, slots] = np.array(self._pending, dtype=np.float64).T
+        self._next = int((self._next + n) % self.window)
+        self._pending.clear()
+
     def _nearness(self, base_rows: float) -> np.ndarray:  # [window] distance in bandwidths
+        self._flush()
         return np.log((self._rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
 
     def measured_near(self, base_rows: float) -> bool:
@@ -324,6 +340,7 @@ class StepCostModel:
         as long as the fits do, `_expire`)."""
         near = self._near.get(j)
         if near is None:
+            self._flush()
             near_rows = np.abs(self._nearness(self._grid_rows(j))) <= 2.0
             near = self._near[j] = bool((np.isfinite(self._step) & near_rows).any())
         return near
@@ -331,6 +348,7 @@ class StepCostModel:
     def fit(self, base_rows: float) -> StepFit:
         """The local fit at `base_rows` (class docstring)."""
         assert self.measured, "no step measured yet"
+        self._flush()
         x, y, lg, v = self._rows, self._seconds, self._logit_rows, self._verifies
         age = self._count - self._step  # steps since each entry (inf: an empty slot)
         u = (self._passes > 0).astype(np.float64)  # the drafter ran (pass 1)
@@ -486,7 +504,14 @@ class StepCostModel:
             return cached
         logit_base = base_rows if base_logit_rows is None else base_logit_rows
         if self._profile is not None:
-            result = self._profiled_cost(base_rows, num_extra, logit_base)
+            # Pointwise in m: one curve per batch serves every number of draft rows up to its length
+            # (the caps change as requests near their ends and opt out; the batch does not).
+            wide_key = (base_rows, None, logit_base)
+            wide = self._curves.get(wide_key)
+            if wide is None or len(wide[0]) <= num_extra:
+                wide = self._curves[wide_key] = self._profiled_cost(
+                    base_rows, max(num_extra, 2 * len(wide[0]) if wide else 0), logit_base)
+            result = (wide[0][: num_extra + 1], wide[1], wide[2])
             self._curves[key] = result
             return result
         top = base_rows + num_extra

@@ -748,3 +748,20 @@ def test_profiled_times_are_positive_and_never_fall(steps, base, extra, profile)
     for r, seconds, drafter, passes, drafts in steps:
         costs.observe(r, seconds, drafter * seconds, passes, num_draft_rows=drafts)
     _assert_sane_costs(costs, base, extra)
+
+
+def test_a_profiled_curve_is_the_same_whatever_was_asked_before() -> None:
+    """One curve per batch serves every number of draft rows (cached, grown when a longer one is
+    asked): each answer equals a fresh model's."""
+    rng = np.random.default_rng(7)
+    steps = [(int(rng.integers(2, 40)), float(rng.uniform(0.01, 0.1))) for _ in range(64)]
+
+    def model() -> StepCostModel:
+        costs = _profiled()
+        for rows, seconds in steps:
+            costs.observe(rows, seconds, 0.001, 1, forward_seconds=0.8 * seconds)
+        return costs
+
+    shared = model()
+    for extra in (5, 20, 3, 0, 64, 21):
+        assert shared.step_cost(12, extra, 6) == model().step_cost(12, extra, 6)

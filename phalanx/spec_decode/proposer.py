@@ -138,9 +138,9 @@ def build_proposer(
 
 # The most bytes of raw target features an EAGLE head keeps for one waiting request: a wait that
 # would hold more is caught up at once (module docstring). 2 MiB: 606 positions on SmolLM2's
-# EAGLE-3 head (3 x 576 bf16 a position: the answer to a code-like prompt of ~250 tokens waits
-# whole), 85 on Llama-3-8B's (3 x 4096), 8,192 on the demo's EAGLE-1 (128 bf16) — beside the
-# target's KV for the same positions (23 KB a position on SmolLM2, 128 KB on Llama-3-8B), a sixth.
+# EAGLE-3 head (3 x 576 bf16 a position), 85 on Llama-3-8B's (3 x 4096), 4,096 on the demo's
+# EAGLE-1 (256 bf16) — beside the target's KV for the same positions (23 KB a position on
+# SmolLM2, 131 KB on Llama-3-8B), a sixth to a fifth of it.
 MAX_WAIT_BYTES = 2 << 20
 # A draft model keeps nothing per waiting position (it re-reads the tokens): its wait is bounded
 # only so that one catch-up pass stays the size of a prefill chunk.

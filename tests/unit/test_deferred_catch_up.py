@@ -117,7 +117,7 @@ def test_feed_range() -> None:
     assert feed_range(10, 10 + lag, 5, False, True, lag) == 10  # a wait of `lag` positions
     assert feed_range(10, 11 + lag, 5, False, True, lag) == 11 + lag  # too long a wait: caught up
     # An EAGLE head's bound keeps MAX_WAIT_BYTES of features; a draft model's only sizes one pass.
-    assert max_lag(3 * 576 * 2) == 606 and max_lag(3 * 4096 * 2) == 85 and max_lag(128 * 2) == 8192
+    assert max_lag(3 * 576 * 2) == 606 and max_lag(3 * 4096 * 2) == 85 and max_lag(256 * 2) == 4096
     assert MAX_DRAFT_MODEL_LAG == 2048
 
 

@@ -48,20 +48,6 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
-# Every this many decisions (NONE_EXPLORE_AT decisions into each such span, apart from the others),
-# if the policy chose to draft and the model predicts drafting nothing within NONE_EXPLORE_MARGIN
-# of the choice's tokens per second, no request drafts: the step after runs no drafter pass, the
-# one after that verifies nothing. What drafting at all costs besides its rows (the first pass,
-# the rejection sampler and the per-draft work around the forward: ~0.3 ms of a ~1 ms demo step)
-# is priced from steps next to steps without it; while every step drafts, no such pair exists and
-# that cost lands in the step's fixed part, which a choice of no drafts would shed. It did: the
-# demo at one request on code-like prompts drafted 2-3 a step predicting 1.29x plain decoding's
-# tokens per second and ran 0.89x (steps 0.65 ms plain, 1.1-1.2 ms with drafts, 1.6 tokens each).
-# The margin is wide (drafting predicted up to 1.67x): the cost hidden so is a large share of a
-# step on a small model. Where drafting is predicted to pay more, the error cannot turn the choice.
-NONE_EXPLORE_EVERY = 64
-NONE_EXPLORE_AT = EXPLORE_EVERY // 2
-NONE_EXPLORE_MARGIN = 0.6
 # A batch that reaches its ends with the same requests, caps and base rows as the last decision
 # keeps that decision for up to this many decisions in all (an exploration still comes when due):
 # at one request the decision, with cold caches between forward passes, took ~32 us, ~3 % of a
@@ -633,9 +619,8 @@ class AdaptiveDrafting:
         key = (tuple(req_ids), tuple(caps), base_rows)
         self._decisions += 1
         last = self._last
-        explore_none = self._decisions % NONE_EXPLORE_EVERY == NONE_EXPLORE_AT
         if (last is not None and last[0] == key and self._decisions - last[2] < REUSE_DECISIONS
-                and self._decisions % EXPLORE_EVERY and not explore_none):  # an exploration due decides afresh
+                and self._decisions % EXPLORE_EVERY):  # an exploration due decides afresh
             return list(last[1])
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
@@ -649,11 +634,6 @@ class AdaptiveDrafting:
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
                                            pass_cost, first_cost, DRAFT_MIN_GAIN).tolist()
         self._last = (key, list(lengths), self._decisions)
-        if explore_none and any(lengths):
-            none = [0] * len(lengths)
-            if (step_rate(rates, none, step_cost, pass_cost, first_cost)
-                    >= NONE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost)):
-                return none
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

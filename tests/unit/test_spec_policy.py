@@ -24,8 +24,6 @@ from phalanx.spec_decode.adaptive import (
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
     MIN_DRAFTING_STEPS,
-    NONE_EXPLORE_AT,
-    NONE_EXPLORE_EVERY,
     PRIOR_FIXED_ROWS,
     PROFILE_ROWS,
     REUSE_DECISIONS,
@@ -555,11 +553,6 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
     assert all(c == [1] for c in chosen if c != [0])
 
 
-def _none_explored(i: int) -> bool:
-    """Whether decision `i` (from 0) is one where drafting nothing may be tried."""
-    return (i + 1) % NONE_EXPLORE_EVERY == NONE_EXPLORE_AT
-
-
 def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
     """Acceptance 0.6 a position (the prior), a row 0.2 of a 1 s step, a pass 0.1: one draft is best
     (1.33 tokens/s), two come within EXPLORE_MARGIN of it (1.31): every EXPLORE_EVERY-th decision
@@ -571,10 +564,8 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
         policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(WIDE_EXPLORE_EVERY - 1)]
-        assert ([i for i, c in enumerate(chosen) if c != [1] and not _none_explored(i)]
-                == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every)))
-        assert all(c == [2] for i, c in enumerate(chosen) if c != [1] and not _none_explored(i))
-        assert chosen[NONE_EXPLORE_AT - 1] == [0]  # no draft: 1.0 token/s, within the margin
+        assert [i for i, c in enumerate(chosen) if c != [1]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
+        assert all(c == [2] for c in chosen if c != [1])
 
 
 def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None:
@@ -593,9 +584,8 @@ def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None
         policy.costs.catch_up_cost = lambda rows: 0.005  # type: ignore[method-assign]
         chosen = [policy.choose(["a", "b"], [3, 3], base_rows=2, lags=[0, lag])
                   for _ in range(WIDE_EXPLORE_EVERY - 1)]
-        assert ([i for i, c in enumerate(chosen) if c != [3, 0] and not _none_explored(i)]
-                == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every)))
-        assert all(c == [3, 1] for i, c in enumerate(chosen) if c != [3, 0] and not _none_explored(i))
+        assert [i for i, c in enumerate(chosen) if c != [3, 0]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
+        assert all(c == [3, 1] for c in chosen if c != [3, 0])
 
 
 def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
@@ -610,7 +600,7 @@ def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(2 * WIDE_EXPLORE_EVERY)]
         assert [chosen[i] for i in (WIDE_EXPLORE_EVERY - 1, 2 * WIDE_EXPLORE_EVERY - 1)] == [wide, wide]
-        others = [c for i, c in enumerate(chosen) if (i + 1) % EXPLORE_EVERY and not _none_explored(i)]
+        others = [c for i, c in enumerate(chosen) if (i + 1) % EXPLORE_EVERY]
         assert all(c == usual for c in others)
 
 
@@ -633,58 +623,6 @@ def test_the_whole_batch_is_not_tried_where_its_catch_ups_make_it_too_dear() -> 
         policy._decisions = WIDE_EXPLORE_EVERY - 1
         wide = policy.choose(["a", "b"], [3, 3], base_rows=2, lags=[0, lag])
         assert (wide == [3, 3]) is tried
-
-
-def _closed_loop(policy: AdaptiveDrafting, accept: float, steps: int, verify: float, seed: int = 0) -> list[int]:
-    """One request decoding with `policy` deciding its drafts, on a simulated engine: the forward as
-    `_profiled` has it, 2 ms of other work a step (after a prompt step), `verify` seconds more in a step that verifies
-    drafts, the drafter 1 ms a pass; each draft accepted with probability `accept` given the ones
-    before. Returns the draft lengths chosen, step by step."""
-    rng = np.random.default_rng(seed)
-
-    def verification(drafts: int) -> None:
-        accepted = 0
-        while accepted < drafts and rng.random() < accept:
-            accepted += 1
-        policy.observe_verification("a", drafts, accepted)
-
-    for _ in range(64):  # what earlier requests said: the estimates start near the truth
-        verification(3)
-    chosen, drafts = [], 0  # drafts: what this step verifies (chosen the step before)
-    for step in range(steps):
-        lengths = policy.choose(["a"], [3], base_rows=1)
-        # The first step is the prompt's, 200 rows (far from the decode steps' 1-4: it does not
-        # price them), so every decode step verifies drafts until the policy chooses none.
-        rows, logits = (1 + drafts, 1 + drafts) if step else (200, 1)
-        forward = 0.005 + 0.002 * rows + 0.0005 * logits
-        drafter = 0.001 * lengths[0]
-        policy.observe_step(rows, forward + 0.002 + (verify if drafts else 0.0) + drafter, drafter, lengths[0],
-                            num_logit_rows=logits, num_draft_rows=drafts, forward_seconds=forward)
-        if drafts:
-            verification(drafts)
-        chosen.append(lengths[0])
-        drafts = lengths[0]
-    return chosen
-
-
-def test_what_drafting_at_all_costs_is_measured_against_steps_that_draft_nothing() -> None:
-    """Verifying drafts at all costs 4 ms besides the rows (the rejection sampler, the per-draft
-    work around the forward): with it, drafting nothing (9.5 ms a token) beats any drafting at 0.6
-    acceptance (1 draft: 1.6 tokens in 17 ms). While every step drafts, that cost cannot be told
-    from the step's fixed part, which the model then charges to drafting nothing too (drafting
-    looks ~25 % ahead), and the policy drafts for good. Every NONE_EXPLORE_EVERY-th decision drafts
-    nothing where the model predicts that within NONE_EXPLORE_MARGIN: the steps beside it price
-    the verification, and the policy stops drafting (but for its one-draft explorations). Where
-    verifying costs nothing, drafting 0.8 a position pays and goes on."""
-    for seed in range(2):
-        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=32)  # settles drafting first
-        policy.costs = _profiled()
-        late = _closed_loop(policy, 0.6, 12 * NONE_EXPLORE_EVERY, verify=0.004, seed=seed)[-4 * NONE_EXPLORE_EVERY:]
-        assert sum(n > 0 for n in late) <= len(late) // EXPLORE_EVERY + 2
-        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=32)
-        policy.costs = _profiled()
-        late = _closed_loop(policy, 0.8, 12 * NONE_EXPLORE_EVERY, verify=0.0, seed=seed)[-4 * NONE_EXPLORE_EVERY:]
-        assert sum(n == 0 for n in late) <= 4  # the explorations of nothing only
 
 
 # ---- the profiled shape ------------------------------------------------------------------------

@@ -3,7 +3,10 @@ head_dim 64, bf16, 16-token blocks): long prefills, a prefill chunk after a cach
 speculative verification grids. Prints ms per call, GFLOP/s (4 x heads x head_dim per visible key)
 and a digest of the output, so two builds of the kernel can be compared for identical results.
 
-    python benchmarks/attention_bench.py [--threads 2]
+    python benchmarks/attention_bench.py [--threads 2] [--isa auto|amx|avx512_bf16|avx2]
+
+`--isa` picks the path as ``PHALANX_CPU_ISA`` does for a model (auto: the best; amx: bf16 on AMX
+tiles; the others: the register-tiled task).
 """
 
 from __future__ import annotations
@@ -38,18 +41,21 @@ def case(seqs: int, queries: int, keys: int) -> tuple[torch.Tensor, ...]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", default="auto", choices=["auto", *cpu_ops.GEMM_ISAS])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     kernel = cpu_ops.kernel_for(torch.bfloat16)
     if kernel is None:
         raise SystemExit("the C++ kernels are not available here (PHALANX_KERNELS, or the build failed)")
+    isa = cpu_ops.gemm_isa() if args.isa == "auto" else cpu_ops.GEMM_ISAS[args.isa]
+    print(f"path {isa} ({'AMX tiles' if isa == cpu_ops.GEMM_ISAS['amx'] else 'register-tiled'})", flush=True)
     for name, (seqs, queries, keys, reps) in CASES.items():
         q, kv, table, visible = case(seqs, queries, keys)
-        out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125)  # warm-up
+        out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125, isa)  # warm-up
         start = time.perf_counter()
         for _ in range(reps):
-            out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125)
+            out = cpu_ops.decode_attention(kernel, q, kv, table, visible, 0.125, isa)
         dt = (time.perf_counter() - start) / reps
         flops = 4 * H * D * int(visible.sum())
         digest = hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest()[:16]

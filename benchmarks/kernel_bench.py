@@ -44,7 +44,7 @@ def attention_case(kernel, iters: int, seqs: int, qlen: int, max_len: int, kvh: 
     q = torch.randn(seqs, qlen, kvh * group, d, generator=gen).bfloat16()
     memo: dict = {}
     ref = timeit(lambda: _decode_group_attention(q, cache, table, mask, d**-0.5, memo), iters)
-    fused = timeit(lambda: kernel.decode_attention(q, cache, table, visible, d**-0.5), iters)
+    fused = timeit(lambda: kernel.decode_attention(q, cache, table, visible, d**-0.5, cpu.gemm_isa()), iters)
     return f"decode attention, {seqs} req x {qlen} q, ctx <= {max_len}, {kvh * group}/{kvh} heads", ref, fused
 
 

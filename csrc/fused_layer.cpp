@@ -76,13 +76,13 @@ void copy_rows(at::Tensor& dst, const int64_t* dst_rows, const at::Tensor& src, 
 }  // namespace
 
 // q [T, H, D] (rotated) -> attention output [T, H * D]
-at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale) {
+at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale, int64_t isa) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   if (!a.dec_idx.defined() && a.pre_tables.empty()) {  // the flat batch is one [R, Q] grid, rows in order
     TORCH_CHECK(a.dec_table.defined() && a.dec_visible.dim() == 2, "fused layer: no attention grid");
     const int64_t Q = a.dec_visible.size(1);
     TORCH_CHECK(Q > 0 && T % Q == 0, "fused layer: ", T, " tokens are not whole requests of ", Q);
-    return decode_attention(q.reshape({T / Q, Q, H, D}), kv_cache, a.dec_table, a.dec_visible, scale).view({T, H * D});
+    return decode_attention(q.reshape({T / Q, Q, H, D}), kv_cache, a.dec_table, a.dec_visible, scale, isa).view({T, H * D});
   }
   auto out = at::empty({T, H, D}, q.options());
   if (a.dec_table.defined()) {
@@ -92,7 +92,7 @@ at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_c
     const int64_t Bd = a.dec_visible.size(0), Qd = a.dec_visible.size(1);
     auto grid = at::empty({Bd * Qd, H, D}, q.options());
     copy_rows(grid, nullptr, q, row_index(a.dec_idx, T, "dec_idx"), Bd * Qd);
-    auto od = decode_attention(grid.view({Bd, Qd, H, D}), kv_cache, a.dec_table, a.dec_visible, scale);
+    auto od = decode_attention(grid.view({Bd, Qd, H, D}), kv_cache, a.dec_table, a.dec_visible, scale, isa);
     copy_rows(out, row_index(a.dec_rows, T, "dec_rows"), od.reshape({Bd * Qd, H, D}),
               row_index(a.dec_sel, Bd * Qd, "dec_sel"), a.dec_sel.numel());
   }
@@ -109,7 +109,8 @@ at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_c
   for (size_t i = 0; i < a.pre_tables.size(); ++i) {
     const int64_t start = a.pre_bounds[2 * i], end = a.pre_bounds[2 * i + 1];
     out.slice(0, start, end).copy_(
-        decode_attention(q.slice(0, start, end).unsqueeze(0), kv_cache, a.pre_tables[i], a.pre_visibles[i], scale)[0]);
+        decode_attention(q.slice(0, start, end).unsqueeze(0), kv_cache, a.pre_tables[i], a.pre_visibles[i], scale,
+                         isa)[0]);
   }
   return out.view({T, H * D});
 }
@@ -136,7 +137,7 @@ std::vector<at::Tensor> attn_mlp(const LayerWeights& w, at::Tensor x_in, at::Ten
   auto qk = rotary(qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D}), cos, sin);  // [T, H + KVH, D]
   auto v = qkv.slice(1, (H + KVH) * D, (H + 2 * KVH) * D).view({T, KVH, D});
   cache_write(kv_cache, qk.slice(1, H, H + KVH), v, slots);
-  auto attn = attend(plan, qk.slice(1, 0, H), kv_cache, w.scale);
+  auto attn = attend(plan, qk.slice(1, 0, H), kv_cache, w.scale, w.isa);
   auto o = apply(w.o, attn, w.isa);
   auto post = rms_norm_impl(o, res, w.ln2, w.eps);  // (norm(o + res), o + res)
   auto act = silu_mul(apply(w.gate_up, post[0], w.isa));

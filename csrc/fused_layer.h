@@ -38,7 +38,7 @@ struct AttnPlan {
 // A plan whose flat batch is one [R, Q] grid in order.
 AttnPlan grid_plan(at::Tensor block_table, at::Tensor visible);
 // q [T, H, D] (rotated) -> attention output [T, H * D]
-at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale);
+at::Tensor attend(const AttnPlan& a, const at::Tensor& q, const at::Tensor& kv_cache, double scale, int64_t isa);
 
 struct LayerWeights {
   std::optional<at::Tensor> ln1;

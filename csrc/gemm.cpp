@@ -455,6 +455,8 @@ void release_amx() {}
 
 }  // namespace
 
+bool amx_tiles_granted() { return amx_granted(); }
+
 std::vector<int64_t> gemm_isas() {
   std::vector<int64_t> isas;
   if (amx_granted()) isas.push_back(kGemmAmx);

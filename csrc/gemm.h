@@ -32,6 +32,9 @@ at::Tensor pack_pairs(at::Tensor w, int64_t isa);
 // Whether `packed` is pack_pairs(W, isa) of a W with K columns (its shape and strides).
 bool is_packed_for(const at::Tensor& packed, int64_t K, int64_t isa);
 
+// Whether this build has AMX-BF16 tiles and Linux granted this process their state.
+bool amx_tiles_granted();
+
 // The paths this build has (its -march), best first; empty below AVX2 + FMA.
 std::vector<int64_t> gemm_isas();
 

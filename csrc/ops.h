@@ -11,11 +11,13 @@
 namespace phalanx {
 
 // attention.cpp: paged attention of a [S, Q] query grid read through the block table (bf16 / fp32).
+// `isa`: the GEMM path of the forward (gemm.h); 3 (AMX) runs bf16 attention on AMX tiles, any other
+// the register-tiled task (AVX512-BF16 or AVX2 + FMA, one order).
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
-                            double scale);
+                            double scale, int64_t isa);
 // The same, its result in float32 before the one rounding to the query's dtype (for tests).
 at::Tensor decode_attention_f32(at::Tensor q, at::Tensor kv_cache, at::Tensor block_table, at::Tensor visible,
-                                double scale);
+                                double scale, int64_t isa);
 
 // cache.cpp: a layer's new keys and values into its paged cache.
 void cache_write(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slots);

@@ -66,6 +66,8 @@ class ForwardMemo:
     dec_mask: torch.Tensor | None = None
     # (dtype, device type) -> the C++ ops module serving this forward's attention, or None
     attention_kernels: dict[tuple[torch.dtype, str], Any] = field(default_factory=dict)
+    # the GEMM path this forward's bf16 attention follows (``ops.cpu.gemm_isa``; 3: AMX tiles)
+    attention_isa: int | None = None
     # (rotary module, dtype) -> its cos / sin rows [T, 1, D] at this batch's positions
     rotary_rows: dict[tuple[Any, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (block table, KV heads, cache blocks) -> the reference path's K / V gather index

@@ -63,7 +63,8 @@ def paged_attention(
             # kernel on 16-256-token prompts, and each query's result is the one it would get decoding.
             assert seq.visible is not None
             grid = q[seq.start : seq.end].unsqueeze(0)  # [1, q, H, D]
-            out[seq.start : seq.end] = cpu_ops.decode_attention(kernel, grid, kv_cache, seq.block_ids, seq.visible, scale)[0]
+            out[seq.start : seq.end] = cpu_ops.decode_attention(
+                kernel, grid, kv_cache, seq.block_ids, seq.visible, scale, attention_isa(meta))[0]
             continue
         qp = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if seq.num_computed == 0:
@@ -89,7 +90,8 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetada
     assert meta.dec_block_table is not None and meta.dec_visible is not None
     kernel = attention_kernel(q.dtype, meta, q.device.type)
     if kernel is not None:
-        return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale)
+        return cpu_ops.decode_attention(kernel, q, kv_cache, meta.dec_block_table, meta.dec_visible, scale,
+                                        attention_isa(meta))
     mask = meta.memo.dec_mask
     if mask is None:  # [Bd, Qd, 1, L], True = masked out (a key after the query's position)
         key_pos = torch.arange(meta.dec_block_table.shape[1] * cache_block_size(kv_cache))
@@ -104,6 +106,14 @@ def attention_kernel(dtype: torch.dtype, meta: AttentionMetadata, device: str = 
     if (dtype, device) not in kernels:
         kernels[dtype, device] = cpu_ops.kernel_for(dtype) if device == "cpu" else None
     return kernels[dtype, device]
+
+
+def attention_isa(meta: AttentionMetadata) -> int:
+    """The GEMM path (``ops.cpu.gemm_isa``) the kernel's bf16 attention follows in this forward, as
+    the linears do (3: AMX tiles; else the register-tiled task), looked up once per forward."""
+    if meta.memo.attention_isa is None:
+        meta.memo.attention_isa = cpu_ops.gemm_isa()
+    return meta.memo.attention_isa
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor,

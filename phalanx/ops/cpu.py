@@ -253,8 +253,9 @@ def decode_attention(
     block_table: torch.Tensor,  # [S, W] int64
     visible: torch.Tensor,  # [S, Q] int64: query i of sequence s attends keys 0 .. visible[s, i] - 1
     scale: float,
+    isa: int,  # the forward's GEMM path (`gemm_isa`): 3 runs bf16 attention on AMX tiles
 ) -> torch.Tensor:  # [S, Q, H, D]
-    return module.decode_attention(q, kv_cache, block_table, visible, float(scale))
+    return module.decode_attention(q, kv_cache, block_table, visible, float(scale), int(isa))
 
 
 # PHALANX_CPU_ISA names -> the GEMM's path ids (csrc/gemm.h), best first (a cap: "avx512_bf16" on an

@@ -19,6 +19,24 @@ def kernel():
     return cpu_ops.load(required=True)
 
 
+# The attention's paths (its `isa` argument: the forward's GEMM path): any path but AMX runs the
+# register-tiled task (AVX512-BF16, or AVX2 + FMA in its order); AMX runs bf16 on AMX tiles.
+TILED, AMX = cpu_ops.GEMM_ISAS["avx512_bf16"], cpu_ops.GEMM_ISAS["amx"]
+
+
+def _has_amx() -> bool:
+    module = cpu_ops.kernel_for(torch.bfloat16)
+    return module is not None and AMX in module.gemm_isas()
+
+
+ATTENTION_PATHS = [
+    pytest.param(TILED, id="tiled"),
+    pytest.param(AMX, id="amx", marks=pytest.mark.skipif(
+        not _has_amx(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux refused the tile "
+                               "state)")),
+]
+
+
 def _case(seed: int, seqs: int, qlen: int, kvh: int, group: int, head_dim: int, block_size: int,
           max_len: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(seed)
@@ -62,12 +80,13 @@ def _truth(q, cache, table, visible, scale):  # float64, one query at a time
     max_len=st.integers(5, 70),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_kernel_matches_float64_and_the_reference(seed, seqs, qlen, kvh, group, head_dim, block_size, max_len,
-                                                  dtype) -> None:
+@pytest.mark.parametrize("isa", ATTENTION_PATHS)
+def test_kernel_matches_float64_and_the_reference(isa, seed, seqs, qlen, kvh, group, head_dim, block_size,
+                                                  max_len, dtype) -> None:
     kernel = cpu_ops.load(required=True)
     q, cache, table, visible = _case(seed, seqs, qlen, kvh, group, head_dim, block_size, max_len, dtype)
     scale = head_dim**-0.5
-    out = cpu_ops.decode_attention(kernel, q, cache, table, visible, scale)
+    out = cpu_ops.decode_attention(kernel, q, cache, table, visible, scale, isa)
     assert out.shape == q.shape and out.dtype == dtype
     truth = _truth(q, cache, table, visible, scale)
     # float32 math throughout; bf16 output rounding is 2^-9 relative
@@ -81,22 +100,44 @@ def test_kernel_matches_float64_and_the_reference(seed, seqs, qlen, kvh, group, 
     torch.testing.assert_close(out.double(), ref.double(), **ref_tol)
 
 
+@pytest.mark.parametrize("isa", ATTENTION_PATHS)
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim) -> None:
+def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim, isa) -> None:
     q, cache, table, visible = _case(7, seqs=6, qlen=4, kvh=2, group=2, head_dim=head_dim, block_size=16,
                                      max_len=90, dtype=dtype)
-    full = kernel.decode_attention(q, cache, table, visible, 0.125)
+    full = kernel.decode_attention(q, cache, table, visible, 0.125, isa)
     for s in range(q.shape[0]):
-        alone = kernel.decode_attention(q[s : s + 1], cache, table[s : s + 1], visible[s : s + 1], 0.125)
+        alone = kernel.decode_attention(q[s : s + 1], cache, table[s : s + 1], visible[s : s + 1], 0.125, isa)
         assert torch.equal(alone, full[s : s + 1])
         for i in range(q.shape[1]):  # one query token of a verification grid == the same query decoded alone
             one = kernel.decode_attention(q[s : s + 1, i : i + 1], cache, table[s : s + 1],
-                                          visible[s : s + 1, i : i + 1], 0.125)
+                                          visible[s : s + 1, i : i + 1], 0.125, isa)
             assert torch.equal(one[0, 0], full[s, i])
     # a wider block table (padding columns past every sequence's end) changes nothing
     wide = torch.cat([table, torch.zeros(table.shape[0], 3, dtype=torch.int64)], dim=1)
-    assert torch.equal(kernel.decode_attention(q, cache, wide, visible, 0.125), full)
+    assert torch.equal(kernel.decode_attention(q, cache, wide, visible, 0.125, isa), full)
+
+
+@pytest.mark.parametrize("isa", ATTENTION_PATHS)
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+def test_a_prompt_chunk_attends_as_its_queries_would_decoding(kernel, isa, block_size) -> None:
+    """A 70-token prompt chunk after 30 cached tokens (query blocks of 32 tokens x 3 heads: rows in
+    several 16-row groups, keys read in place or staged): every query's output is bitwise the one it
+    gets alone (decoding), and the one it gets in a chunk of another length."""
+    gen = torch.Generator().manual_seed(5)
+    kvh, group, d, n, done = 2, 3, 64, 70, 30
+    width = (done + n + block_size - 1) // block_size
+    cache = torch.randn(2, kvh, width + 4, block_size, d, generator=gen).bfloat16()
+    table = torch.randperm(width + 4, generator=gen)[:width].view(1, width)
+    q = torch.randn(1, n, kvh * group, d, generator=gen).bfloat16()
+    visible = (done + torch.arange(n) + 1).view(1, n)
+    chunk = kernel.decode_attention(q, cache, table, visible, 0.125, isa)
+    for i in range(n):
+        one = kernel.decode_attention(q[:, i : i + 1], cache, table, visible[:, i : i + 1], 0.125, isa)
+        assert torch.equal(one[0, 0], chunk[0, i]), f"query {i}"
+    head = kernel.decode_attention(q[:, :23], cache, table, visible[:, :23], 0.125, isa)
+    assert torch.equal(head, chunk[:, :23])
 
 
 # ---- the register-tiled bf16 attention's summation order, step by step in numpy ------------------
@@ -140,6 +181,16 @@ def _tiled_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float
         lanes = _ftz(_fma(kz[:, even], np.broadcast_to(qz[even], kz[:, even].shape), lanes))
     quarter = [(lanes[:, 4 * g] + lanes[:, 4 * g + 2]) + (lanes[:, 4 * g + 1] + lanes[:, 4 * g + 3]) for g in range(4)]
     scores = ((quarter[0] + quarter[1]) + (quarter[2] + quarter[3])) * f(scale)
+    p = _softmax_row(scores)
+    acc = np.zeros(d, np.float32)
+    for i in range(scores.shape[0]):
+        acc = _fma(np.full(d, p[i], np.float32), values[i], acc)
+    return acc
+
+
+def _softmax_row(scores: np.ndarray) -> np.ndarray:
+    """common.h's softmax_row in numpy float32, op for op."""
+    f = np.float32
     n = scores.shape[0]
     full = n // 16 * 16
     e = _exp_nonpositive(scores - scores.max())
@@ -151,14 +202,40 @@ def _tiled_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float
     total = (t6[0] + t6[2]) + (t6[1] + t6[3])
     for i in range(full, n):
         total = total + e[i]
-    p = e * (f(1.0) / total)
-    acc = np.zeros(d, np.float32)
-    for i in range(n):
-        acc = _fma(np.full(d, p[i], np.float32), values[i], acc)
-    return acc
+    return e * (f(1.0) / total)
 
 
-def _tiled_reference(q, cache, table, visible, scale) -> torch.Tensor:
+def _amx_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """One query row of the AMX task (csrc/attention.cpp) in numpy float32: per 32-element step of
+    the head (scores) or 32-key step (values) the even and the odd elements' products each summed
+    from zero in pair order, then acc + (even + odd), under DAZ / FTZ; the probabilities rounded to
+    bf16 in between (nearest even, denormals to zero)."""
+    f = np.float32
+    d, n = q.shape[0], keys.shape[0]
+    qz, kz = _ftz(q), _ftz(keys)
+    acc = np.zeros(n, f)
+    for s in range(d // 32):
+        even, odd = np.zeros(n, f), np.zeros(n, f)
+        for p in range(16):
+            e = 32 * s + 2 * p
+            even = _ftz(even + kz[:, e] * qz[e])
+            odd = _ftz(odd + kz[:, e + 1] * qz[e + 1])
+        acc = _ftz(acc + _ftz(even + odd))
+    probs = _softmax_row(acc * f(scale))
+    pb = _bf16_round_ftz(probs)  # as VCVTNE2PS2BF16 rounds
+    vz = _ftz(values)
+    out = np.zeros(d, f)
+    for k0 in range(0, n, 32):
+        even, odd = np.zeros(d, f), np.zeros(d, f)
+        for j in range(k0, min(k0 + 32, n), 2):
+            even = _ftz(even + pb[j] * vz[j])
+            if j + 1 < n:
+                odd = _ftz(odd + pb[j + 1] * vz[j + 1])
+        out = _ftz(out + _ftz(even + odd))
+    return out
+
+
+def _tiled_reference(q, cache, table, visible, scale, row=None) -> torch.Tensor:
     s_, ql, h, d = q.shape
     kvh, bs = cache.shape[1], cache.shape[3]
     out = torch.empty(s_, ql, h, d, dtype=torch.float32)
@@ -169,8 +246,8 @@ def _tiled_reference(q, cache, table, visible, scale) -> torch.Tensor:
             blk, off = table[s].numpy()[pos // bs], pos % bs
             for head in range(h):
                 kv_head = head // (h // kvh)
-                row = _tiled_row(qf[s, i, head], kc[kv_head, blk, off], vc[kv_head, blk, off], scale)
-                out[s, i, head] = torch.from_numpy(row)
+                got = (row or _tiled_row)(qf[s, i, head], kc[kv_head, blk, off], vc[kv_head, blk, off], scale)
+                out[s, i, head] = torch.from_numpy(got)
     return out
 
 
@@ -199,12 +276,30 @@ def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len
     for name, module in _attention_kernel_builds(kernel):
         if name == "native" and "avx512_bf16" in cpu_ops.cpu_flags():
             continue  # the AVX512-BF16 task: the same order by design, compared with the haswell build below
-        got = module.decode_attention_f32(q, cache, table, visible, head_dim**-0.5)  # every float32 bit
+        got = module.decode_attention_f32(q, cache, table, visible, head_dim**-0.5, TILED)  # every float32 bit
         assert torch.equal(got, want), f"{name}: {(got != want).sum().item()} of {got.numel()} elements differ"
-        assert torch.equal(module.decode_attention(q, cache, table, visible, head_dim**-0.5), want.bfloat16())
+        assert torch.equal(module.decode_attention(q, cache, table, visible, head_dim**-0.5, TILED), want.bfloat16())
         ran += 1
     if not ran:
         pytest.skip("no AVX2 + FMA build can run on this CPU")
+
+
+@pytest.mark.skipif(not _has_amx(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux "
+                                           "refused the tile state)")
+@pytest.mark.parametrize("head_dim,max_len,qlen,group", [(64, 70, 3, 3), (32, 300, 1, 2), (128, 40, 2, 1),
+                                                         (96, 33, 1, 4), (64, 530, 1, 1), (64, 150, 7, 3)])
+def test_amx_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len, qlen, group) -> None:
+    """The AMX task's float32 result (`decode_attention_f32`) is the numpy model of its order
+    (`_amx_row`) bit for bit: across 16-key score tiles, 32-key value steps, 16-row groups, staged
+    and in-place keys, a masked tail and denormal keys (read as zero). The SDM leaves the tile
+    instruction's internal order to the implementation: this checks it on the CPU that runs."""
+    q, cache, table, visible = _case(11 + head_dim, seqs=2, qlen=qlen, kvh=2, group=group, head_dim=head_dim,
+                                     block_size=16, max_len=max_len, dtype=torch.bfloat16)
+    cache[0, 0, 0, 0, :4] = torch.tensor([1e-39, -1e-39, 0.0, 3e-39]).bfloat16()  # denormal keys read as zero
+    want = _tiled_reference(q, cache, table, visible, head_dim**-0.5, row=_amx_row)
+    got = kernel.decode_attention_f32(q, cache, table, visible, head_dim**-0.5, AMX)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
+    assert torch.equal(kernel.decode_attention(q, cache, table, visible, head_dim**-0.5, AMX), want.bfloat16())
 
 
 def _bf16_round_ftz(x: np.ndarray) -> np.ndarray:
@@ -249,19 +344,19 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
     q, cache, table, visible = _case(1, seqs=2, qlen=1, kvh=2, group=2, head_dim=8, block_size=4, max_len=9,
                                      dtype=torch.float32)
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        kernel.decode_attention(q.bfloat16(), cache, table, visible, 1.0)
+        kernel.decode_attention(q.bfloat16(), cache, table, visible, 1.0, TILED)
     with pytest.raises(RuntimeError, match="int64"):
-        kernel.decode_attention(q, cache, table.int(), visible, 1.0)
+        kernel.decode_attention(q, cache, table.int(), visible, 1.0, TILED)
     with pytest.raises(RuntimeError, match="dtype must be bfloat16 or float32"):
-        kernel.decode_attention(q.half(), cache.half(), table, visible, 1.0)
+        kernel.decode_attention(q.half(), cache.half(), table, visible, 1.0, TILED)
     with pytest.raises(RuntimeError, match="batch sizes disagree"):
-        kernel.decode_attention(q, cache, table[:1], visible, 1.0)
+        kernel.decode_attention(q, cache, table[:1], visible, 1.0, TILED)
     bad = table.clone()
     bad[1, 0] = cache.shape[2]
     with pytest.raises(RuntimeError, match=f"block id {cache.shape[2]} outside the cache's {cache.shape[2]} blocks"):
-        kernel.decode_attention(q, cache, bad, visible, 1.0)
+        kernel.decode_attention(q, cache, bad, visible, 1.0, TILED)
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        kernel.decode_attention(q, cache.transpose(2, 3), table, visible, 1.0)
+        kernel.decode_attention(q, cache.transpose(2, 3), table, visible, 1.0, TILED)
 
 
 def test_backend_switch(monkeypatch) -> None:
@@ -460,8 +555,8 @@ def test_the_portable_build_compiles_and_agrees(kernel) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         q, cache, table, visible = _case(3, seqs=3, qlen=2, kvh=2, group=2, head_dim=64, block_size=16,
                                          max_len=150, dtype=dtype)
-        got = portable.decode_attention(q, cache, table, visible, 0.125)
-        want = kernel.decode_attention(q, cache, table, visible, 0.125)
+        got = portable.decode_attention(q, cache, table, visible, 0.125, TILED)
+        want = kernel.decode_attention(q, cache, table, visible, 0.125, TILED)
         torch.testing.assert_close(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=1e-5)
     x, res, w = _bf16((5, 256), 1), _bf16((5, 256), 2), _bf16((256,), 3)
     assert torch.equal(portable.rms_norm(x, w, 1e-5), kernel.rms_norm(x, w, 1e-5))
@@ -496,6 +591,6 @@ def test_the_avx2_build_computes_what_this_one_does(kernel) -> None:
     assert torch.equal(avx2.gemm(x, packed, 300, b, 1), kernel.gemm(x, packed, 300, b, best))
     q, cache, table, visible = _case(3, seqs=3, qlen=2, kvh=2, group=2, head_dim=64, block_size=16, max_len=150,
                                      dtype=torch.bfloat16)
-    got = avx2.decode_attention(q, cache, table, visible, 0.125)
-    torch.testing.assert_close(got.float(), kernel.decode_attention(q, cache, table, visible, 0.125).float(),
+    got = avx2.decode_attention(q, cache, table, visible, 0.125, TILED)
+    torch.testing.assert_close(got.float(), kernel.decode_attention(q, cache, table, visible, 0.125, TILED).float(),
                                atol=8e-3, rtol=1e-5)

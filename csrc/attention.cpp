@@ -243,9 +243,9 @@ constexpr bool kAmxAttention = true;
 // GEMM does (PHALANX_CPU_ISA=avx512_bf16 runs the register-tiled task there).
 //
 // Measured (benchmarks/attention_bench.py, SmolLM2's shapes, 2 threads, Xeon with AMX): a
-// 1,930-token prefill 26.9 -> 11.4 ms, 512 tokens 2.03 -> 0.98, a 256-token chunk after 768 cached
-// 3.25 -> 1.39, decoding 16 requests at 600 keys 0.306 -> 0.287, verifying 8 x 4 at 300 keys
-// 0.163 -> 0.111 against the register-tiled task.
+// 1,930-token prefill 27.2 -> 10.5 ms, 512 tokens 2.01 -> 0.91, a 256-token chunk after 768 cached
+// 3.25 -> 1.29, decoding 16 requests at 600 keys 0.303 -> 0.270, verifying 8 x 4 at 300 keys
+// 0.161 -> 0.106 against the register-tiled task.
 void configure_attention_tiles() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -370,14 +370,22 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
       _tile_stored(6, sc.data() + g * 16 * ls + l0, ls * 4);
     }
   }
+  // softmax_row's steps, the scale and the max in one pass, the normalisation left to the
+  // probabilities' rounding to bf16 below (p * inv there: the same product)
   const __m512 vscale = _mm512_set1_ps(scale);
+  thread_local std::vector<float> inv;
+  inv.assign(rows, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
+    if (limit[r] <= 0) continue;  // no key: its probabilities stay zero
     float* row = sc.data() + (r / 16) * 16 * ls + (r % 16) * ls;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t l = 0; l < limit[r]; l += 16) {
       const __mmask16 m = static_cast<__mmask16>(limit[r] - l >= 16 ? 0xFFFFu : (1u << (limit[r] - l)) - 1u);
-      _mm512_mask_storeu_ps(row + l, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + l), vscale));
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + l), vscale);
+      _mm512_mask_storeu_ps(row + l, m, x);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
     }
-    softmax_row(row, limit[r]);
+    inv[r] = 1.f / exp_sum_row(row, limit[r], _mm512_reduce_max_ps(vmax));
   }
   // the values' key pairs: element 2e of a tile row is key 2j's element, 2e + 1 key 2j + 1's;
   // `stage` writes 32-key step ks's tiles [t0, t0 + nt) at dst (256 words a tile), keys past `len` zero
@@ -422,7 +430,9 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
           const int64_t seen = std::clamp<int64_t>(limit[r0 + i] - k0, 0, 32);
           const __mmask16 m0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFFu : (1u << seen) - 1u);
           const __mmask16 m1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFFu : seen > 16 ? (1u << (seen - 16)) - 1u : 0u);
-          const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, p + 16), _mm512_maskz_loadu_ps(m0, p));
+          const __m512 vi = _mm512_set1_ps(inv[r0 + i]);
+          const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, p + 16), vi),
+                                                    _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, p), vi));
           _mm512_storeu_si512(pb.data() + i * 32, (__m512i)pair);
         }
         _tile_loadd(4, pb.data(), 64);

@@ -176,17 +176,13 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_mask_mov_ps(y, over, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 
-// In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
-inline void softmax_row(float* row, int64_t n) {
-  if (n <= 0) return;
-  int64_t l = 0;
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; l + 16 <= n; l += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + l));
-  float m = _mm512_reduce_max_ps(vmax);
-  for (; l < n; ++l) m = std::max(m, row[l]);
+// softmax_row's middle step: row[l] = exp(row[l] - m) for l < n; returns their sum (fixed order:
+// 16 lanes over the whole groups of 16, their reduction, then the rest one by one).
+inline float exp_sum_row(float* row, int64_t n, float m) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
-  for (l = 0; l + 16 <= n; l += 16) {
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16) {
     const __m512 e = exp_nonpositive_ps(_mm512_sub_ps(_mm512_loadu_ps(row + l), vm));
     _mm512_storeu_ps(row + l, e);
     vsum = _mm512_add_ps(vsum, e);
@@ -196,7 +192,18 @@ inline void softmax_row(float* row, int64_t n) {
     row[l] = exp_nonpositive(row[l] - m);
     sum += row[l];
   }
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+// In-place softmax of row[0:n] (float32, fixed order): max, exp(x - max), sum, scale.
+inline void softmax_row(float* row, int64_t n) {
+  if (n <= 0) return;
+  int64_t l = 0;
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; l + 16 <= n; l += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + l));
+  float m = _mm512_reduce_max_ps(vmax);
+  for (; l < n; ++l) m = std::max(m, row[l]);
+  const float inv = 1.f / exp_sum_row(row, n, m);
   for (l = 0; l < n; ++l) row[l] *= inv;
 }
 #elif defined(__AVX2__)

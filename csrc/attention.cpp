@@ -226,8 +226,9 @@ void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, 
 constexpr bool kAmxAttention = true;
 
 // The bf16 task on AMX tiles (the GEMM's AMX path, `isa` 3: its tile instruction's order, gemm.cpp),
-// for head_dim = 32 * S (S <= 4). Tiles: tmm0-3 accumulators (16 x 16 float32), tmm4 the A operand,
-// tmm5 the B operand, tmm6 the score accumulator; every tile 16 rows x 64 bytes.
+// for head_dim = 32 * S (S <= 4). Tiles: tmm0-3 accumulators (16 x 16 float32), tmm4 and tmm6 the
+// A operand, tmm5 the B operand (tmm6 the accumulator of a lone row group's scores); every tile 16
+// rows x 64 bytes.
 //
 // The order. Scores: for key l and query row r, acc = 0, then per step s of 32 head elements
 // acc = acc + (even + odd), where even sums q[r, 2p] k[l, 2p] one product at a time in pair order
@@ -243,9 +244,9 @@ constexpr bool kAmxAttention = true;
 // GEMM does (PHALANX_CPU_ISA=avx512_bf16 runs the register-tiled task there).
 //
 // Measured (benchmarks/attention_bench.py, SmolLM2's shapes, 2 threads, Xeon with AMX): a
-// 1,930-token prefill 27.2 -> 10.5 ms, 512 tokens 2.01 -> 0.91, a 256-token chunk after 768 cached
-// 3.25 -> 1.29, decoding 16 requests at 600 keys 0.303 -> 0.270, verifying 8 x 4 at 300 keys
-// 0.161 -> 0.106 against the register-tiled task.
+// 1,930-token prefill 26.8 -> 10.0 ms, 512 tokens 2.01 -> 0.88, a 256-token chunk after 768 cached
+// 3.24 -> 1.23, decoding 16 requests at 600 keys 0.292 -> 0.278, verifying 8 x 4 at 300 keys
+// 0.162 -> 0.106 against the register-tiled task.
 void configure_attention_tiles() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -359,15 +360,41 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
       transpose16x16(in, out);
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt.data() + s * 256 + p * 16, out[p]);
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      if (glen[g] <= l0) continue;
-      _tile_zero(6);
+    // up to 4 row groups at a time, each its own accumulator (tmm0-3), so the tile unit works on
+    // four independent sums instead of waiting on one; the A tiles alternate between tmm4 and tmm6
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, groups - g0);
+      int64_t most = 0;
+      for (int64_t g = g0; g < g0 + ng; ++g) most = std::max(most, glen[g]);
+      if (most <= l0) continue;  // a group past its rows' keys is computed along (its columns unread)
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const int64_t stride = head_dim * 2;
       for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(4, qa.data() + g * 16 * head_dim + 32 * s, head_dim * 2);
+        const uint16_t* qs = qa.data() + g0 * 16 * head_dim + 32 * s;
         _tile_loadd(5, kt.data() + s * 256, 64);
-        _tile_dpbf16ps(6, 4, 5);
+        _tile_loadd(4, qs, stride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (ng > 1) {
+          _tile_loadd(6, qs + 16 * head_dim, stride);
+          _tile_dpbf16ps(1, 6, 5);
+        }
+        if (ng > 2) {
+          _tile_loadd(4, qs + 32 * head_dim, stride);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (ng > 3) {
+          _tile_loadd(6, qs + 48 * head_dim, stride);
+          _tile_dpbf16ps(3, 6, 5);
+        }
       }
-      _tile_stored(6, sc.data() + g * 16 * ls + l0, ls * 4);
+      float* out = sc.data() + g0 * 16 * ls + l0;
+      _tile_stored(0, out, ls * 4);
+      if (ng > 1) _tile_stored(1, out + 16 * ls, ls * 4);
+      if (ng > 2) _tile_stored(2, out + 32 * ls, ls * 4);
+      if (ng > 3) _tile_stored(3, out + 48 * ls, ls * 4);
     }
   }
   // softmax_row's steps, the scale and the max in one pass, the normalisation left to the

@@ -1,6 +1,8 @@
 """The fused C++ decode-attention kernel (``ops.cpu``): accuracy against float64 in
 bf16 and fp32, agreement with the reference grouped matmuls, batch invariance (bitwise: a query's
-output never depends on the batch or the query count around it), and the backend switch."""
+output never depends on the batch or the query count around it) on each of its paths (the
+register-tiled task; AMX tiles where the CPU has them), each path's summation order bit for bit
+against a numpy model of it, and the backend switch."""
 
 from __future__ import annotations
 

@@ -247,18 +247,6 @@ constexpr bool kAmxAttention = true;
 // 1,930-token prefill 26.8 -> 10.0 ms, 512 tokens 2.01 -> 0.88, a 256-token chunk after 768 cached
 // 3.24 -> 1.23, decoding 16 requests at 600 keys 0.292 -> 0.278, verifying 8 x 4 at 300 keys
 // 0.162 -> 0.106 against the register-tiled task.
-void configure_attention_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 7; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // A 16 x 16 matrix of 32-bit elements: rows in[0..15] -> columns out[0..15].
 inline void transpose16x16(const __m512i* in, __m512i* out) {
@@ -492,14 +480,11 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
   }
 }
 
-void release_attention_tiles() { _tile_release(); }
 #else
 constexpr bool kAmxAttention = false;
-void configure_attention_tiles() {}
 template <typename O>
 void decode_task_amx(const c10::BFloat16* const*, const c10::BFloat16* const*, const c10::BFloat16* const*,
                      const int64_t*, int64_t, int64_t, int64_t, float, O* const*) {}
-void release_attention_tiles() {}
 #endif
 
 // Whether this build has a register-tiled bf16 task (AVX512-BF16, or AVX2 + FMA).
@@ -538,7 +523,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
   std::atomic<int64_t> next_task{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    if (amx) configure_attention_tiles();
+    if (amx) configure_amx_tiles({16, 16, 16, 16, 16, 16, 16, 0});  // tmm0-6, 16 x 64 bytes each
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kv(head_dim), scores;
     std::vector<const T*> qrow(max_rows), krow, vrow;
     std::vector<O*> orow(max_rows);
@@ -627,7 +612,7 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
         from_float(acc.data() + r * head_dim, out + ((s * qlen + qi) * num_heads + head) * head_dim, head_dim);
       }
     }
-    if (amx) release_attention_tiles();
+    if (amx) release_amx_tiles();
   });
 }
 

@@ -306,13 +306,8 @@ struct alignas(64) TileConfig {
 
 // This thread's tiles for row tiles of r0 and r1 rows (r1 0: one row tile).
 void configure_amx(int r0, int r1) {
-  TileConfig cfg;
   const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[t] = rows[t] ? 64 : 0;
-  }
-  _tile_loadconfig(&cfg);
+  configure_amx_tiles(rows);
 }
 
 // One thread's AMX work on a range of rows and column blocks: rows of x (ldx elements apart, K
@@ -444,7 +439,7 @@ void run_amx(const uint16_t* x, int64_t ldx, int64_t KB, const uint16_t* w, int6
 
 void release_amx() {
   _mm_sfence();  // the non-temporal stores are ordered before the caller reads the output
-  _tile_release();
+  release_amx_tiles();
 }
 #else
 bool amx_granted() { return false; }
@@ -456,6 +451,23 @@ void release_amx() {}
 }  // namespace
 
 bool amx_tiles_granted() { return amx_granted(); }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+void configure_amx_tiles(const int (&rows)[8]) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+    cfg.colsb[t] = rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+void release_amx_tiles() { _tile_release(); }
+#else
+void configure_amx_tiles(const int (&)[8]) {}
+void release_amx_tiles() {}
+#endif
 
 std::vector<int64_t> gemm_isas() {
   std::vector<int64_t> isas;

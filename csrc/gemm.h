@@ -35,6 +35,11 @@ bool is_packed_for(const at::Tensor& packed, int64_t K, int64_t isa);
 // Whether this build has AMX-BF16 tiles and Linux granted this process their state.
 bool amx_tiles_granted();
 
+// This thread's AMX tile configuration (palette 1): tile t has rows[t] rows of 64 bytes, 0 unused.
+// Only where amx_tiles_granted(); a no-op in a build without AMX. release_amx_tiles frees the state.
+void configure_amx_tiles(const int (&rows)[8]);
+void release_amx_tiles();
+
 // The paths this build has (its -march), best first; empty below AVX2 + FMA.
 std::vector<int64_t> gemm_isas();
 

@@ -72,6 +72,23 @@ DRAFT_MIN_GAIN = 0.03
 # (SmolLM2's forward: 15.1 / 17.6 / 19.7 ms at 32 / 33 / 48 rows); both sides of each such edge are
 # measured, or interpolating from 32 to 48 would price the 33rd row at ~0.3 ms instead of ~2.5.
 PROFILE_ROWS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
+# The profile measures every grid point up to this many rows whatever it takes (decode batches of up
+# to 16 requests drafting 3 each); past it, once the profile has taken its time budget, it stops at
+# the next point where it may (`profile_may_stop_after`), and the curve beyond is its last segment
+# extended. On SmolLM2 and a slow AVX2-only CPU (~6 ms a row at 16 rows) the whole grid up to 256
+# rows took 10-17 s of `phalanx serve`'s start-up; there a row costs the same at any batch size, so
+# the extension is what the rest of the grid would have said. On AMX the whole grid takes ~1 s.
+PROFILE_MIN_ROWS = 64
+
+
+def profile_may_stop_after(grid: list[int], i: int) -> bool:
+    """Whether the profile may end at grid point i: at or past PROFILE_MIN_ROWS, and not just past a
+    tile edge (r with r - 1 on the grid: the segment into it is the edge's jump, and extended it
+    would price every further row at that jump)."""
+    r = grid[i]
+    return r >= PROFILE_MIN_ROWS and (i == 0 or grid[i - 1] != r - 1)
+
+
 # Prior shape of step time against rows, used where nothing was measured: time proportional to
 # rows + this (a fixed part worth this many rows: weights streamed once per step, Python overhead),
 # so an extra row is cheap in a small batch and costs its share in a large one.

@@ -34,7 +34,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
-from phalanx.spec_decode.adaptive import PROFILE_ROWS
+from phalanx.spec_decode.adaptive import PROFILE_ROWS, profile_may_stop_after
 from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
@@ -254,7 +254,9 @@ class ModelRunner:
         ones) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
         to `max_rows`: the fastest of `repeats` rounds over the grid, after a warm-up round up to 64
         rows; rounds after the first only while the profile has taken under `budget_seconds` (SmolLM2
-        on 2 AMX cores: 3 rounds, ~2.6 s; where one round takes longer, as on AVX2 alone, one round).
+        on 2 AMX cores: 3 rounds, ~2.6 s), and where the first round runs past it (a slow CPU), the
+        grid ends at the next point where it may (``adaptive.profile_may_stop_after``: at least
+        64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid).
         Single runs are not to be trusted where the forward is fast: a run
         whose buffers get fresh pages from the kernel pays for faulting them in (~9 us a 4 KB page
         on a VM here: the lm_head over 192 rows took 45 ms instead of 6 in most calls), and glibc's
@@ -274,7 +276,7 @@ class ModelRunner:
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
             if rep > 1 and time.perf_counter() - start > budget_seconds:
                 break
-            for r in grid:
+            for i, r in enumerate(list(grid)):
                 if rep == 0 and r > 64:
                     continue
                 table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
@@ -287,6 +289,10 @@ class ModelRunner:
                 t2 = time.perf_counter()
                 if rep:
                     fwd[r], head[r] = min(fwd.get(r, math.inf), t1 - t0), min(head.get(r, math.inf), t2 - t1)
+                if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
+                        and profile_may_stop_after(grid, i)):
+                    grid = grid[: i + 1]  # the rest of the grid: the last segment extended
+                    break
         return grid, [fwd[r] for r in grid], [head[r] for r in grid]
 
     def _propose(

@@ -73,13 +73,14 @@ def test_drafted_answers_equal_plain_decoding_in_fp32() -> None:
 
 
 def test_serve_without_a_model_drafts_with_the_head() -> None:
-    """`phalanx serve` with no MODEL serves SmolLM2 with its head (drafting only in small batches);
+    """`phalanx serve` with no MODEL serves SmolLM2 with its head (the adaptive draft length);
     naming the model, or giving --speculative-config, overrides that."""
     from phalanx.entrypoints.cli import build_parser, serve_config_from_args
 
     parser = build_parser()
     spec = serve_config_from_args(parser.parse_args(["serve"])).engine_args.speculative_config
-    assert spec["method"] == "eagle3" and spec["model"] == HEAD and spec["disable_by_batch_size"] == 8
+    assert spec["method"] == "eagle3" and spec["model"] == HEAD and spec["adaptive"] is True
+    assert "disable_by_batch_size" not in spec
     assert serve_config_from_args(parser.parse_args(["serve", "smollm2-135m-instruct"])).engine_args.speculative_config is None
     ngram = serve_config_from_args(parser.parse_args(["serve", "--speculative-config", '{"method": "ngram"}']))
     assert ngram.engine_args.speculative_config == {"method": "ngram"}

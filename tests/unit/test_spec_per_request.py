@@ -32,7 +32,13 @@ from phalanx import LLM, SamplingParams
 from phalanx.engine.engine_core import STEP_LOG_ENV
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
-from phalanx.spec_decode.adaptive import EXPLORE_EVERY, MIN_DRAFTING_STEPS
+from phalanx.spec_decode.adaptive import (
+    EXPLORE_EVERY,
+    MIN_DRAFTING_STEPS,
+    PROFILE_MIN_ROWS,
+    PROFILE_ROWS,
+    profile_may_stop_after,
+)
 from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.worker.model_runner import ModelRunner
 from tests.fake_engine import fake_app
@@ -427,10 +433,24 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
     assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
     assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
     assert llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    # Past its time budget (a slow CPU) the grid ends at the first point it may past 64 rows; with
+    # time to spare it runs to the end.
+    runner = llm.engine.runner
+    assert runner.profile_step_curve(200, repeats=1, budget_seconds=0.0)[0] == [r for r in PROFILE_ROWS if r <= 64]
+    assert runner.profile_step_curve(200, repeats=1, budget_seconds=1e9)[0] == [r for r in PROFILE_ROWS if r < 200] + [200]
     static = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models))
     assert static.engine.adaptive is None
     with pytest.raises(RuntimeError, match="expert parallelism"):
         ModelRunner.profile_step_curve(SimpleNamespace(expert_shard=(0, 2)), 16)  # type: ignore[arg-type]
+
+
+def test_the_profile_stops_only_where_its_last_segment_extends_fairly() -> None:
+    """Never before PROFILE_MIN_ROWS, never just past a tile edge (r - 1 on the grid), else anywhere."""
+    grid = list(PROFILE_ROWS)
+    stops = [r for i, r in enumerate(grid) if profile_may_stop_after(grid, i)]
+    assert stops == [r for i, r in enumerate(grid) if r >= PROFILE_MIN_ROWS and grid[i - 1] != r - 1]
+    assert stops[0] == PROFILE_MIN_ROWS == 64 and 65 not in stops and 97 not in stops and 256 in stops
+    assert profile_may_stop_after([64], 0) and not profile_may_stop_after([1, 2, 4], 2)
 
 
 def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path,

@@ -21,10 +21,10 @@ from phalanx.cli_types import json_object_arg
 DEFAULT_MODEL = SMOLLM2
 # Speculative decoding `phalanx serve` turns on by itself when it serves DEFAULT_MODEL (None: none):
 # its built-in EAGLE-3 head, up to 3 drafts a request, the draft length chosen every step by the
-# adaptive policy (docs/speculation.md) from the step times measured on this machine. A static rule
-# (`disable_by_batch_size` 8, the default before) cost 0.60-0.72x plain decoding at 4-8 requests on
-# an AVX2-only CPU, where every verified row costs nearly a full row, and left 1.3x on the table at
-# 16-32 on AMX, where drafting still pays there. Naming the model serves it without.
+# adaptive policy (docs/speculation.md) from the step times measured on this machine. The static
+# rule `disable_by_batch_size` 8 ran 0.57-0.72x plain decoding at 8 and 4 requests on an AVX2-only
+# CPU, where every verified row costs nearly a full row, and would give up adaptive's ~1.3x at 16-32
+# on AMX, where drafting still pays there. Naming the model serves it without.
 DEFAULT_SPECULATIVE_CONFIG: dict[str, Any] | None = {
     "method": "eagle3", "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3, "adaptive": True,
 }

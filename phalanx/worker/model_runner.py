@@ -34,7 +34,7 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
-from phalanx.spec_decode.adaptive import PROFILE_ROWS, profile_may_stop_after
+from phalanx.spec_decode.adaptive import PROFILE_MIN_ROWS, PROFILE_ROWS, profile_may_stop_after
 from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
@@ -277,7 +277,7 @@ class ModelRunner:
             if rep > 1 and time.perf_counter() - start > budget_seconds:
                 break
             for i, r in enumerate(list(grid)):
-                if rep == 0 and r > 64:
+                if rep == 0 and r > PROFILE_MIN_ROWS:  # the warm-up covers the rows always measured
                     continue
                 table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
                 meta = build_attention_metadata([1] * r, [context] * r, table, self.block_size)

@@ -35,7 +35,10 @@ def process_alive(pid: int) -> bool:
 
 
 def _rank_main(rank: int, size: int, port: int, llm_kwargs: dict, par_kwargs: dict, job: RankJob,
-               results: Any) -> None:
+               results: Any, environ: dict[str, str]) -> None:
+    # The fork server's environment is the one of its own start: take the caller's, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import dataclasses
 
@@ -100,10 +103,15 @@ def run_ranks(size: int, llm_kwargs: dict, par_kwargs: dict, jobs: list[RankJob]
               ) -> dict[int, tuple[str, Any]]:
     """Run `size` lockstep ranks; returns rank -> ("ok", result) | ("error", message) | ("died", exit
     code) | ("hung", "")."""
-    ctx = mp.get_context("spawn")
+    # Ranks fork from one server process that imported torch once (an import is ~4 s of a 2-core CPU,
+    # paid per rank with spawn); it has run no op, so no thread pool is forked. phalanx itself is
+    # imported in each rank, after the caller's environment is in place.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, llm_kwargs, par_kwargs, jobs[r], results))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, size, port, llm_kwargs, par_kwargs, jobs[r], results, dict(os.environ)))
              for r in range(size)]
     for p in procs:
         p.start()

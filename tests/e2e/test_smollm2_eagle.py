@@ -57,13 +57,13 @@ def test_served_head_accepts_on_held_out_chat_prompts(eagle_server: ServerProces
 
 
 @pytest.mark.slow
-def test_drafted_answers_equal_plain_decoding_in_fp32() -> None:
+def test_drafted_answers_equal_plain_decoding_in_fp32(smollm2_fp32) -> None:  # noqa: ANN001
     from phalanx import LLM, SamplingParams
 
     gguf = str(smollm2_gguf())
     params = SamplingParams(temperature=0, max_tokens=48)
     prompts = [messages(p) for p in held_out_prompts(3)]
-    plain = LLM(gguf, dtype="float32", max_model_len=512).chat(prompts, params, use_tqdm=False)
+    plain = smollm2_fp32.chat(prompts, params, use_tqdm=False)
     llm = LLM(gguf, dtype="float32", max_model_len=512,
               speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3})
     spec = llm.chat(prompts, params, use_tqdm=False)

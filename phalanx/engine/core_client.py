@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 from collections import deque
@@ -136,6 +137,69 @@ def spawn_rank(proc_cfg: EngineProcessConfig) -> Any:
     return proc
 
 
+def _run_when_configured(conn: Any) -> None:
+    """A prestarted rank's entry point: import torch and the engine (most of a rank's fixed start-up
+    cost, ~4 s of a 2-core CPU) while the API process is still loading the tokenizer, then run with
+    the configuration it sends. A closed pipe without one (start-up cancelled, API process gone):
+    exit quietly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as run_engine_core: the API process decides
+    import torch  # noqa: F401
+
+    import phalanx.engine.engine_core  # noqa: F401
+
+    try:
+        config_bytes = conn.recv_bytes()
+    except (EOFError, OSError):
+        return
+    finally:
+        conn.close()
+    run_engine_core(config_bytes)
+
+
+class PrestartedRank:
+    """An engine process started before its configuration exists (see `_run_when_configured`):
+    `launch` hands it the configuration and returns the process, as `spawn_rank` would; `cancel`
+    lets it exit. Only a rank's first start is prestarted; restarts use `spawn_rank`."""
+
+    def __init__(self, rank: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        reader, self._writer = ctx.Pipe(duplex=False)
+        self.rank = rank
+        self.process = ctx.Process(target=_run_when_configured, args=(reader,), name=f"phalanx-engine-{rank}",
+                                   daemon=True)
+        self.process.start()
+        reader.close()
+
+    def launch(self, proc_cfg: EngineProcessConfig) -> Any:
+        if proc_cfg.rank != self.rank:
+            raise ValueError(f"prestarted rank {self.rank} cannot run rank {proc_cfg.rank}")
+        try:
+            self._writer.send_bytes(msgspec.msgpack.encode(proc_cfg))
+        except OSError:  # it died before its configuration came (e.g. a broken import): start afresh
+            self.cancel()
+            return spawn_rank(proc_cfg)
+        finally:
+            self._writer.close()
+        return self.process
+
+    def cancel(self) -> None:
+        self._writer.close()
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+def prestart_ranks(ranks: range) -> dict[int, PrestartedRank]:
+    return {r: PrestartedRank(r) for r in ranks}
+
+
+def cancel_prestarted(prestarted: dict[int, PrestartedRank]) -> None:
+    for p in prestarted.values():
+        p.cancel()
+    prestarted.clear()
+
+
 FRONT_END_CORES = 1  # cores a node running the API server keeps free of engine threads, when it does
 # Below this compute per token, a step is so short that the front end's per-token work (HTTP,
 # detokenization, streaming) competes with the engine for the step's critical path.
@@ -177,8 +241,10 @@ def local_threads(num_local: int, requested: int | None = None, reserved: int = 
 class EngineCoreClient:
     """Engine ranks behind ZMQ. Create, then `await start()`; use from one asyncio event loop."""
 
-    def __init__(self, config: EngineClientConfig) -> None:
+    def __init__(self, config: EngineClientConfig, prestarted: dict[int, PrestartedRank] | None = None) -> None:
+        """`prestarted`: local ranks already importing (`prestart_ranks`); their first start uses them."""
         self.config = config
+        self._prestarted = prestarted if prestarted is not None else {}
         self.ranks: list[RankHandle] = []
         self._req_rank: dict[str, RankHandle] = {}
         self._next_rank = 0
@@ -215,6 +281,7 @@ class EngineCoreClient:
             sock.bind(address)
             proc = self._spawn(rank, address, 0) if rank in local else None
             self.ranks.append(RankHandle(rank, proc, sock))
+        cancel_prestarted(self._prestarted)  # any the caller prestarted for a rank not local here
         if len(local) < dp:
             logger.info("waiting for %d remote engine rank(s) to connect", dp - len(local))
         await self._wait_ready()
@@ -224,7 +291,8 @@ class EngineCoreClient:
 
     def _spawn(self, rank: int, input_address: str, generation: int) -> Any:
         cfg = self.config
-        return spawn_rank(
+        prestarted = self._prestarted.pop(rank, None) if generation == 0 else None
+        return (spawn_rank if prestarted is None else prestarted.launch)(
             EngineProcessConfig(
                 engine_args=dataclasses.asdict(cfg.engine_args),
                 rank=rank,

@@ -27,7 +27,13 @@ import uvicorn
 from phalanx.checkpoint import resolve_model_path
 from phalanx.config import EngineConfig
 from phalanx.engine.args import EngineArgs
-from phalanx.engine.core_client import EngineClientConfig, EngineCoreClient, EngineStartupError
+from phalanx.engine.core_client import (
+    EngineClientConfig,
+    EngineCoreClient,
+    EngineStartupError,
+    cancel_prestarted,
+    prestart_ranks,
+)
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.recovery import RecoveryConfig
 from phalanx.engine.tokenizer import eos_token_ids_of, load_tokenizer
@@ -144,7 +150,16 @@ def check_config(cfg: ServeConfig) -> EngineConfig:
 async def serve(cfg: ServeConfig, engine_config: EngineConfig) -> int:
     """`engine_config`: `check_config`'s (the model's size sets the engines' default threads)."""
     logging.getLogger("phalanx").setLevel(cfg.log_level.upper())
-    args, tokenizer = with_tokenizer(cfg)
+    # The local ranks start importing torch and the engine now, while this process loads the
+    # tokenizer (whose end-of-sequence ids complete the engine arguments): the two overlap.
+    dp = cfg.engine_args.data_parallel_size
+    local = cfg.data_parallel_size_local if cfg.data_parallel_size_local is not None else dp
+    prestarted = prestart_ranks(range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + local))
+    try:
+        args, tokenizer = with_tokenizer(cfg)
+    except BaseException:
+        cancel_prestarted(prestarted)
+        raise
     model_path = args.model
     client = EngineCoreClient(
         EngineClientConfig(
@@ -158,7 +173,8 @@ async def serve(cfg: ServeConfig, engine_config: EngineConfig) -> int:
             data_parallel_rpc_port=cfg.data_parallel_rpc_port,
             num_threads=cfg.num_threads,
             model_active_params=engine_config.model.active_parameters(),
-        )
+        ),
+        prestarted,
     )
     try:
         await client.start()

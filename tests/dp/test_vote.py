@@ -125,7 +125,8 @@ def test_ranks_gathering_their_own_rows_derive_the_same_plan() -> None:
     rows = [_rank_states([(rng.random() < 0.5, rng.choice([0, 0, rng.randint(1, 300)]), rng.randint(0, 20),
                            [rng.randint(0, k) for _ in range(rng.randint(0, 20))], rng.random() < 0.05)
                           for _ in range(size)], k) for _ in range(20)]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # as the harness's ranks: fork from one torch import
+    ctx.set_forkserver_preload(["torch"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_vote_rank, args=(r, size, port, rows, k, results)) for r in range(size)]

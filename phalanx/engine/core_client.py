@@ -183,7 +183,10 @@ class PrestartedRank:
         return self.process
 
     def cancel(self) -> None:
+        """End it now: it holds nothing yet (mid-import it is simply terminated)."""
         self._writer.close()
+        if self.process.is_alive():
+            self.process.terminate()
         self.process.join(5)
         if self.process.is_alive():
             self.process.kill()

@@ -1,5 +1,5 @@
 """Prestarted engine ranks (`core_client.PrestartedRank`): `phalanx serve` starts its local ranks
-before the tokenizer is loaded, so they import torch meanwhile. A cancelled one exits cleanly, one
+before the tokenizer is loaded, so they import torch meanwhile. A cancelled one ends at once, one
 that died before its configuration came is replaced by a fresh spawn, and a rank never runs another
 rank's configuration. (A served start through them: every e2e server test.)"""
 

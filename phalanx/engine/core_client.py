@@ -193,6 +193,11 @@ class PrestartedRank:
             self.process.join()
 
 
+def local_ranks(dp: int, size_local: int | None, start_rank: int) -> range:
+    """The ranks this node runs: [start_rank, start_rank + size_local), all of them by default."""
+    return range(start_rank, start_rank + (size_local or dp))
+
+
 def prestart_ranks(ranks: range) -> dict[int, PrestartedRank]:
     return {r: PrestartedRank(r) for r in ranks}
 
@@ -274,7 +279,7 @@ class EngineCoreClient:
         """Spawn every rank and wait until all report ready. Raises EngineStartupError otherwise."""
         cfg = self.config
         dp = cfg.data_parallel_size
-        local = range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + (cfg.data_parallel_size_local or dp))
+        local = local_ranks(dp, cfg.data_parallel_size_local, cfg.data_parallel_start_rank)
         reserved = front_end_cores(cfg.model_active_params, usable_cores())
         self._threads = local_threads(len(local), cfg.num_threads, reserved)
         for rank in range(dp):

@@ -32,6 +32,7 @@ from phalanx.engine.core_client import (
     EngineCoreClient,
     EngineStartupError,
     cancel_prestarted,
+    local_ranks,
     prestart_ranks,
 )
 from phalanx.engine.metrics import ServingMetrics
@@ -152,9 +153,8 @@ async def serve(cfg: ServeConfig, engine_config: EngineConfig) -> int:
     logging.getLogger("phalanx").setLevel(cfg.log_level.upper())
     # The local ranks start importing torch and the engine now, while this process loads the
     # tokenizer (whose end-of-sequence ids complete the engine arguments): the two overlap.
-    dp = cfg.engine_args.data_parallel_size
-    local = cfg.data_parallel_size_local if cfg.data_parallel_size_local is not None else dp
-    prestarted = prestart_ranks(range(cfg.data_parallel_start_rank, cfg.data_parallel_start_rank + local))
+    prestarted = prestart_ranks(local_ranks(cfg.engine_args.data_parallel_size, cfg.data_parallel_size_local,
+                                            cfg.data_parallel_start_rank))
     try:
         args, tokenizer = with_tokenizer(cfg)
     except BaseException:

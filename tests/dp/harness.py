@@ -99,15 +99,20 @@ def _rank_main(rank: int, size: int, port: int, llm_kwargs: dict, par_kwargs: di
             group.close()
 
 
+def fork_context() -> Any:
+    """Processes fork from one server process that imported torch once (an import is ~4 s of a
+    2-core CPU, paid per process with spawn); it has run no op, so no thread pool is forked. The
+    server's environment is its own start's: pass a child the caller's if it matters."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 def run_ranks(size: int, llm_kwargs: dict, par_kwargs: dict, jobs: list[RankJob], timeout_s: float = 120.0
               ) -> dict[int, tuple[str, Any]]:
     """Run `size` lockstep ranks; returns rank -> ("ok", result) | ("error", message) | ("died", exit
     code) | ("hung", "")."""
-    # Ranks fork from one server process that imported torch once (an import is ~4 s of a 2-core CPU,
-    # paid per rank with spawn); it has run no op, so no thread pool is forked. phalanx itself is
-    # imported in each rank, after the caller's environment is in place.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+    ctx = fork_context()  # phalanx itself is imported in each rank, after the caller's environment is in place
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,

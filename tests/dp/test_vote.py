@@ -115,18 +115,17 @@ def _vote_rank(rank: int, size: int, port: int, rows: list[list[RankState]], k: 
 def test_ranks_gathering_their_own_rows_derive_the_same_plan() -> None:
     """Three ranks in a real gloo group, each voting only its local row: after the all-gather every
     rank holds the same table and derives the same plan, the one the rank states specify."""
-    import multiprocessing as mp
     import random
 
     from phalanx.net import free_port
+    from tests.dp.harness import fork_context
 
     rng = random.Random(0)
     size, k = 3, 3
     rows = [_rank_states([(rng.random() < 0.5, rng.choice([0, 0, rng.randint(1, 300)]), rng.randint(0, 20),
                            [rng.randint(0, k) for _ in range(rng.randint(0, 20))], rng.random() < 0.05)
                           for _ in range(size)], k) for _ in range(20)]
-    ctx = mp.get_context("forkserver")  # as the harness's ranks: fork from one torch import
-    ctx.set_forkserver_preload(["torch"])
+    ctx = fork_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_vote_rank, args=(r, size, port, rows, k, results)) for r in range(size)]

@@ -55,7 +55,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(raw data to write, the float32 values it dequantizes to)."""
     from gguf import GGMLQuantizationType, quants
 
@@ -118,7 +118,7 @@ def write_gguf(hf_folder: Path, arch: str, qtype: str, out_dir: Path, seed: int 
             raw, values = data.astype(np.float32), data.astype(np.float32)
             dtype = gguf.GGMLQuantizationType.F32
         else:
-            raw, values = _encode(data, qtype, rng)
+            raw, values = encode(data, qtype, rng)
             dtype = gguf.GGMLQuantizationType[qtype]
         writer.add_tensor(f"{gguf_name}.{suffix}", raw, raw_shape=raw.shape, raw_dtype=dtype)
         twin[hf_name] = torch.from_numpy(_unpermute(values, n_head) if permuted else values).contiguous()

@@ -153,6 +153,29 @@ def test_tensor_index_maps_what_the_reader_reads(tmp_path: Path, monkeypatch: py
         assert json.loads(index.read_text())["version"] == 1
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_grouped_dequantize_is_the_packages_bit_for_bit(monkeypatch: pytest.MonkeyPatch, qtype: str) -> None:
+    """`gguf_file.dequantize` runs the `gguf` package's block arithmetic over groups of rows (not its
+    16 rows at a time): the same bits as `gguf.dequantize`, whatever the group size, for 2-D and 3-D
+    tensors (MoE experts) and a ragged last group."""
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    from phalanx import gguf_file
+    from tests.gguf_fixtures import encode
+
+    t, cols = GGMLQuantizationType[qtype], 512
+    raw, _ = encode(np.random.default_rng(7).standard_normal((3 * 37, cols)).astype(np.float32), qtype,
+                    np.random.default_rng(8))
+    raw = raw.reshape(3, 37, -1)
+    for group_values in (cols, 5 * cols, 1 << 20):  # a row, 5 rows (the last group 2), everything
+        monkeypatch.setattr(gguf_file, "DEQUANT_GROUP_VALUES", group_values)
+        for data in (raw, raw[1]):
+            ours, theirs = gguf_file.dequantize(data, t), gguf.dequantize(data, t)
+            assert ours.dtype == theirs.dtype == np.float32 and ours.shape == theirs.shape == (*data.shape[:-1], cols)
+            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
 def test_a_file_shorter_than_its_index_is_a_clear_error(tmp_path: Path) -> None:
     from phalanx import gguf_file
     from phalanx.checkpoint import hf_config

@@ -549,7 +549,10 @@ class EngineCoreClient:
             self.respawn(r.rank)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every rank (also after a failed `start`: the ranks it spawned, and the prestarted
+        ones it never reached)."""
         logger.info("shutting down %d engine rank(s)", len(self.ranks))
+        cancel_prestarted(self._prestarted)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         live = [r for r in self.ranks if r.state not in (RankState.DEAD, RankState.GIVEN_UP)]

@@ -157,31 +157,34 @@ async def serve(cfg: ServeConfig, engine_config: EngineConfig) -> int:
                                             cfg.data_parallel_start_rank))
     try:
         args, tokenizer = with_tokenizer(cfg)
-    except BaseException:
+        client = EngineCoreClient(
+            EngineClientConfig(
+                engine_args=args,
+                data_parallel_size=args.data_parallel_size,
+                log_level=cfg.log_level,
+                startup_timeout_s=cfg.startup_timeout,
+                data_parallel_size_local=cfg.data_parallel_size_local,
+                data_parallel_start_rank=cfg.data_parallel_start_rank,
+                data_parallel_address=cfg.data_parallel_address,
+                data_parallel_rpc_port=cfg.data_parallel_rpc_port,
+                num_threads=cfg.num_threads,
+                model_active_params=engine_config.model.active_parameters(),
+            ),
+            prestarted,
+        )
+    except BaseException:  # the tokenizer cannot load, the output address cannot be bound, ...
         cancel_prestarted(prestarted)
         raise
     model_path = args.model
-    client = EngineCoreClient(
-        EngineClientConfig(
-            engine_args=args,
-            data_parallel_size=args.data_parallel_size,
-            log_level=cfg.log_level,
-            startup_timeout_s=cfg.startup_timeout,
-            data_parallel_size_local=cfg.data_parallel_size_local,
-            data_parallel_start_rank=cfg.data_parallel_start_rank,
-            data_parallel_address=cfg.data_parallel_address,
-            data_parallel_rpc_port=cfg.data_parallel_rpc_port,
-            num_threads=cfg.num_threads,
-            model_active_params=engine_config.model.active_parameters(),
-        ),
-        prestarted,
-    )
     try:
         await client.start()
     except EngineStartupError as e:
         logger.error("%s", e)
         await client.shutdown()
         return 1
+    except BaseException:  # e.g. a rank's input address cannot be bound: no rank may outlive this
+        await client.shutdown()
+        raise
     metrics = ServingMetrics(cfg.served_model_name)
     exit_code = 0
     server: uvicorn.Server | None = None

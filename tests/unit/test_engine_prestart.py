@@ -1,7 +1,8 @@
 """Prestarted engine ranks (`core_client.PrestartedRank`): `phalanx serve` starts its local ranks
 before the tokenizer is loaded, so they import torch meanwhile. A cancelled one ends at once, one
-that died before its configuration came is replaced by a fresh spawn, and a rank never runs another
-rank's configuration. (A served start through them: every e2e server test.)"""
+that died before its configuration came is replaced by a fresh spawn, a rank never runs another
+rank's configuration, and a start that fails leaves none behind. (A served start through them:
+every e2e server test.)"""
 
 from __future__ import annotations
 
@@ -45,3 +46,39 @@ def test_a_rank_runs_only_its_own_configuration() -> None:
     finally:
         rank.cancel()
     assert not rank.process.is_alive()
+
+
+def test_a_failed_start_leaves_no_prestarted_rank_behind() -> None:
+    """A rank's input address that cannot be bound (its port taken) fails `start` before the ranks
+    are reached; the shutdown that follows (as `phalanx serve` does on any start-up error) ends the
+    prestarted ranks at once instead of leaving them waiting for a configuration."""
+    import asyncio
+    import socket
+
+    import zmq
+
+    from phalanx.net import free_listen_ports
+
+    base = free_listen_ports(4)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", base + 1))  # rank 0's input port
+    taken.listen()
+    prestarted = core_client.prestart_ranks(range(2))
+    procs = [p.process for p in prestarted.values()]
+    config = core_client.EngineClientConfig(engine_args=None, data_parallel_size=2,
+                                            data_parallel_address="127.0.0.1", data_parallel_rpc_port=base)
+
+    async def start_then_shut_down() -> None:
+        client = core_client.EngineCoreClient(config, prestarted)
+        try:
+            with pytest.raises(zmq.ZMQError):
+                await client.start()
+        finally:
+            await client.shutdown()
+
+    try:
+        asyncio.run(start_then_shut_down())
+    finally:
+        taken.close()
+    assert prestarted == {}
+    assert all(not p.is_alive() for p in procs)

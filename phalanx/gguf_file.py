@@ -277,7 +277,7 @@ def dequantize(data: Any, qtype: Any) -> Any:
     from gguf.quants import _type_traits  # type: ignore[attr-defined]
 
     quant = _type_traits.get(qtype)
-    if quant is None or data.ndim == 0:  # F32 / F16 (a view / one cast), or what gguf reports unsupported
+    if quant is None:  # F32 / F16 (a view / one cast), or a type gguf reports as not implemented
         return gguf.dequantize(data, qtype)
     quant.init_grid()
     rows = data.reshape(-1, data.shape[-1])

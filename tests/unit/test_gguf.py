@@ -168,7 +168,7 @@ def test_grouped_dequantize_is_the_packages_bit_for_bit(monkeypatch: pytest.Monk
     raw, _ = encode(np.random.default_rng(7).standard_normal((3 * 37, cols)).astype(np.float32), qtype,
                     np.random.default_rng(8))
     raw = raw.reshape(3, 37, -1)
-    for group_values in (cols, 5 * cols, 1 << 20):  # a row, 5 rows (the last group 2), everything
+    for group_values in (cols, 5 * cols, 1 << 20):  # a row, 5 rows (a ragged last group), everything
         monkeypatch.setattr(gguf_file, "DEQUANT_GROUP_VALUES", group_values)
         for data in (raw, raw[1]):
             ours, theirs = gguf_file.dequantize(data, t), gguf.dequantize(data, t)

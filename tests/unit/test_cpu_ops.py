@@ -526,6 +526,42 @@ def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
     assert cpu_ops.attach(model(), torch.bfloat16) == 0
 
 
+def test_a_finished_build_is_imported_without_torchs_build_check(tmp_path, monkeypatch) -> None:
+    """A build folder whose stamp says the build is the one asked for is imported directly (torch's
+    ``load`` runs ninja first: ~0.5 s of every engine start); a stamp for other flags, a missing
+    stamp or a library that does not import go through torch's ``load``, which then stamps it."""
+    import json
+    import shutil
+
+    import torch.utils.cpp_extension as extension
+
+    if cpu_ops.load() is None:
+        pytest.skip("the C++ kernels do not build here")
+    built = cpu_ops.build_dir() / "phalanx_cpu_ops.so"
+    monkeypatch.setenv("PHALANX_KERNEL_CACHE", str(tmp_path))
+    folder = cpu_ops.build_dir()
+    assert folder.parent == tmp_path
+    shutil.copy(built, folder / "phalanx_cpu_ops.so")
+    stamp = folder / cpu_ops.BUILD_STAMP
+    as_asked = {"name": "phalanx_cpu_ops", "march": "native", "cflags": list(cpu_ops.CFLAGS)}
+    calls: list[dict] = []
+    monkeypatch.setattr(extension, "load", lambda **kwargs: calls.append(kwargs) or "through torch")
+
+    stamp.write_text(json.dumps(as_asked))
+    module = cpu_ops.build()
+    assert calls == [] and hasattr(module, "gemm")
+    for damage in (lambda: stamp.write_text(json.dumps({**as_asked, "cflags": ["-O0"]})),  # built otherwise
+                   stamp.unlink):  # an interrupted or older build
+        damage()
+        assert cpu_ops.build() == "through torch"
+        assert json.loads(stamp.read_text()) == as_asked  # stamped once torch's load returned
+    assert len(calls) == 2 and calls[-1]["build_directory"] == str(folder)
+    other = cpu_ops.build_dir("damaged")  # (a new path: the process has the first library mapped)
+    (other / "phalanx_cpu_ops.so").write_bytes(b"not a library")
+    (other / cpu_ops.BUILD_STAMP).write_text(json.dumps(as_asked))
+    assert cpu_ops.build(variant="damaged") == "through torch" and calls[-1]["build_directory"] == str(other)
+
+
 def test_a_stale_build_lock_is_removed_a_fresh_one_kept(tmp_path) -> None:
     import os
     import time

@@ -221,7 +221,7 @@ def build(name: str = "phalanx_cpu_ops", march: str = "native", variant: str = "
 def _import_built(directory: Path, built_as: dict[str, Any]) -> Any:
     """The module a finished build left in `directory`, imported directly, or None. torch's
     ``load`` would first run ninja in a subprocess to confirm the build is current (with importing
-    its build helpers ~0.5 s of every engine start on a 2-core CPU); the folder's name already pins
+    its build helpers 0.2-0.5 s of every engine start on a 2-core CPU); the folder's name already pins
     the sources, the CPU's flags and torch's version, and the stamp that `build` writes once a build
     has loaded pins the rest (module name, -march, compiler flags). A missing or different stamp, or
     a library that does not import, goes through torch's ``load`` (which rebuilds what it must)."""

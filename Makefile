@@ -30,7 +30,7 @@ serve: $(STAMP) model
 # pytest exits 5 when it collects no test; CI counts an empty selection as success, but it is said
 # loudly on stderr, so a mistyped PYTEST_ARGS selection never passes silently.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; \
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; \
 		echo "make test: WARNING: pytest collected NO tests (exit 5) for PYTEST_ARGS=[$$PYTEST_ARGS];" \
 			"reported as success (CI's rule for an empty selection): check the selection for a typo" >&2; \
 	fi; exit $$rc

@@ -528,7 +528,7 @@ def test_attach_gives_bf16_models_the_kernels_only(monkeypatch) -> None:
 
 def test_a_finished_build_is_imported_without_torchs_build_check(tmp_path, monkeypatch) -> None:
     """A build folder whose stamp says the build is the one asked for is imported directly (torch's
-    ``load`` runs ninja first: ~0.5 s of every engine start); a stamp for other flags, a missing
+    ``load`` runs ninja first: 0.2-0.5 s of every engine start); a stamp for other flags, a missing
     stamp or a library that does not import go through torch's ``load``, which then stamps it."""
     import json
     import shutil

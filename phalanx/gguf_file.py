@@ -261,7 +261,9 @@ def iterate_gguf_weights(path: str | Path, config: dict[str, Any],
         except ValueError as e:  # data shorter than the shape says (a truncated file)
             raise GGUFError(f"{str(path)!r}: tensor {name!r} is inconsistent ({e})") from e
         weights = processor.process(weights=weights, name=name).weights
-        yield hf_name, torch.from_numpy(np.array(weights, dtype=np.float32))  # a copy: the file is a read-only memmap
+        # copied only where it is not already an array of its own (F32 tensors are views of the
+        # read-only file mapping; `dequantize`'s results are fresh arrays)
+        yield hf_name, torch.from_numpy(np.require(weights, np.float32, ["C", "W", "O"]))
 
 
 DEQUANT_GROUP_VALUES = 1 << 20  # values dequantized per call of the block arithmetic

@@ -50,8 +50,9 @@ warning otherwise; ``torch`` always uses the reference; ``cpp`` requires the ker
 they cannot be built). `main` builds them ahead of time (``make install`` runs it), so the first
 server start does not pay the ~1 min compile; the build is cached in ``PHALANX_KERNEL_CACHE``
 (default ``~/.cache/phalanx/kernels``), one folder per torch version, CPU feature set and source
-hash, and a finished build is imported straight from its folder (`_import_built`). The choice for the elementwise ops is made once, when a model is loaded (`attach`); the
-decode attention checks it per forward.
+hash, and a finished build is imported straight from its folder (`_import_built`). The choice for
+the elementwise ops is made once, when a model is loaded (`attach`); the decode attention checks it
+per forward.
 """
 
 from __future__ import annotations

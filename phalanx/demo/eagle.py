@@ -327,7 +327,8 @@ def _batch(seqs: list[list[int]], starts: list[int], feats: list, idx: list[int]
         y[: max(0, starts[i] - 2)] = IGNORE                # loss only where x_{t+2} is in the answer
         lab[b, :n - 1] = y
     pos = torch.arange(L)[None].expand(B, L)
-    return EagleBatch(tok_in, f0, f_next, lab, pos)
+    first = torch.tensor([max(0, starts[i] - 1) for i in idx], dtype=torch.int64)  # the engine's first chain
+    return EagleBatch(tok_in, f0, f_next, lab, pos, first)
 
 
 __all__ = ["EagleHead", "default_aux_ids", "grow_from", "head_config", "load_head", "save_head",

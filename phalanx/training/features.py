@@ -151,7 +151,9 @@ def make_batch(seqs: list[Sequence]) -> EagleBatch:
     """Sequences -> one padded batch. Position t (0 <= t <= n - 2) is fed token x_{t+1} with the
     target's feature at t and learns the target's greedy token at t + 1 (its x_{t+2}) where that
     token is an answer token and not past the end (t + 2 <= n - 1).
-    [prompt p0 p1 | answer a0 a1 a2] (n = 5, answer_start 2): labels at t = 0, 1, 2 (a0, a1, a2)."""
+    [prompt p0 p1 | answer a0 a1 a2] (n = 5, answer_start 2): labels at t = 0, 1, 2 (a0, a1, a2).
+    The engine's first drafting chain starts at t = answer_start - 1 (fed a0, which the target
+    itself answered the prompt with): the batch's `first_draft`."""
     L = max(len(s.tokens) for s in seqs) - 1
     B = len(seqs)
     H = seqs[0].final.shape[-1]
@@ -169,4 +171,5 @@ def make_batch(seqs: list[Sequence]) -> EagleBatch:
         lab[: max(0, s.answer_start - 2)] = IGNORE  # only where x_{t+2} is an answer token
         labels[b, :n - 2] = lab
     positions = torch.arange(L)[None].expand(B, L)
-    return EagleBatch(tokens, features, next_final, labels, positions)
+    first_draft = torch.tensor([max(0, s.answer_start - 1) for s in seqs], dtype=torch.int64)
+    return EagleBatch(tokens, features, next_final, labels, positions, first_draft)

@@ -19,7 +19,7 @@ import torch
 from phalanx.training.config import TrainEagleConfig, TrainEagleError
 from phalanx.training.eagle import draft_vocabulary, train_eagle
 from phalanx.training.features import FeatureShards, epoch_plan, make_batch, sequence
-from phalanx.training.objective import IGNORE, expected_acceptance_length
+from phalanx.training.objective import IGNORE, chain_acceptance, expected_acceptance_length
 from phalanx.training.prompts import builtin_prompt_set, builtin_prompts, read_prompt_file, split_of
 from tests.tiny_models import make_eagle_head, make_model
 
@@ -100,6 +100,11 @@ def test_trained_head_drafts_losslessly_and_beats_a_random_head(trained: tuple[P
     rand = engine_acceptance(str(target), str(random_head), "eagle3", *args)
     assert mine == report["acceptance"]  # what the trainer reported is what the engine does
     assert mine["mean_acceptance_length"] > rand["mean_acceptance_length"] + 0.2, (mine, rand)
+    # the trainer's teacher-forced estimate (chain_acceptance) on the engine's own answers to these
+    # prompts predicts what the engine accepted
+    stats = _teacher_forced_stats(target, out, held[:6], max_tokens=24)
+    assert stats.chain_steps == pytest.approx(mine["verification_steps"], rel=0.05)
+    assert stats.acceptance_length == pytest.approx(mine["mean_acceptance_length"], abs=0.05), (stats.summary(), mine)
     # drafting changes nothing in the output (fp32, greedy)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 19)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -107,6 +112,38 @@ def test_trained_head_drafts_losslessly_and_beats_a_random_head(trained: tuple[P
     spec = LLM(str(target), dtype="float32", speculative_config={"model": str(out), "num_speculative_tokens": 3}
                ).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def _teacher_forced_stats(target: Path, head_dir: Path, convs: list, max_tokens: int):  # noqa: ANN202
+    """The objective's statistics for a saved EAGLE-3 head over the target's greedy answers to `convs`
+    (fp32), with the features recorded as the trainer records them."""
+    from phalanx import LLM, SamplingParams
+    from phalanx.training.distill import _forward, load_target, prompt_token_ids
+    from phalanx.training.features import Sequence
+    from phalanx.training.head import load_head
+    from phalanx.training.objective import LossStats, Objective
+
+    llm = LLM(str(target), dtype="float32")
+    prompts = [prompt_token_ids(llm.get_tokenizer(), c) for c in convs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    model = load_target(str(target), "float32")
+    cfg = json.loads((head_dir / "config.json").read_text())
+    seqs = []
+    for p, o in zip(prompts, outs, strict=True):
+        ids = p + list(o.outputs[0].token_ids)
+        final, aux, greedy = _forward(model, [ids], tuple(cfg["eagle_aux_hidden_state_layer_ids"]))
+        seqs.append(Sequence(torch.tensor(ids), greedy.long(), final, aux, len(p)))
+    from safetensors.torch import load_file
+
+    w = load_file(str(target / "model.safetensors"))
+    head = load_head(head_dir, embed=w["model.embed_tokens.weight"].float(), lm_head=w["lm_head.weight"].float())
+    keep = torch.arange(len(head.d2t)) + head.d2t
+    to_draft = torch.full((cfg["vocab_size"],), IGNORE).index_put_((keep,), torch.arange(len(keep)))
+    stats = LossStats()
+    with torch.no_grad():
+        stats.add(Objective(passes=3, labels="hard")(head, make_batch(seqs), None, to_draft)[1])
+    return stats
 
 
 @pytest.mark.slow
@@ -279,6 +316,7 @@ def test_make_batch_aligns_tokens_features_and_labels() -> None:
     assert b.labels.tolist() == [[20, 21, 22, IGNORE]]
     assert torch.equal(b.features[0], shard["final"][:4].float())
     assert torch.equal(b.next_final[0], shard["final"][1:].float())
+    assert b.first_draft.tolist() == [1]  # the engine's first chain is fed a0 (a1 is its first draft)
     shard["answer_start"] = torch.tensor([4])  # only a2 is an answer token: only t = 2 learns
     assert make_batch([sequence(shard, 0, aux=False, max_len=100)]).labels.tolist() == [[IGNORE, IGNORE, 22, IGNORE]]
 
@@ -290,6 +328,31 @@ def test_draft_vocabulary_keeps_the_most_frequent_tokens_and_the_stop_tokens() -
     assert v.coverage == pytest.approx(70 / 81)
     assert (torch.arange(3) + v.d2t).tolist() == [1, 3, 4]
     assert v.target_to_draft(7).tolist() == [IGNORE, 0, IGNORE, 1, 2, IGNORE, IGNORE]
+
+
+def test_chain_acceptance_follows_the_engines_chains() -> None:
+    """k = 3 over one row of 10 labelled positions, the chains worked out by hand: a chain from s
+    accepts pass j at s + j while they hit; the next chain starts after the accepted drafts and the
+    target's own token."""
+    T = 10
+    h0 = torch.tensor([1, 1, 0, 0, 1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    h1 = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 0, 0], dtype=torch.bool)
+    h2 = torch.tensor([0, 0, 1, 0, 0, 0, 0, 0, 1, 0], dtype=torch.bool)
+    lab = torch.ones(1, T, dtype=torch.bool)
+    # s=0: h0[0] h1[1] h2[2] all hit -> 3, next s=4; s=4: h0[4] h1[5] hit, h2[6] misses -> 2, next 7;
+    # s=7: h0[7] misses -> 0, next 8; s=8: misses -> 0, next 9; s=9: h0[9] hits, h1[10] is past the end
+    steps, acc = chain_acceptance([h0[None], h1[None], h2[None]], lab)
+    assert (steps, acc) == (5, [3, 2, 1])
+    # the first chain where the batch says (s=1: h0[1] h1[2] hit, h2[3] misses -> 2, next 4; then as above)
+    assert chain_acceptance([h0[None], h1[None], h2[None]], lab, torch.tensor([1])) == (5, [3, 2, 0])
+    # an unlabelled position ends the row's chains: nothing is drafted past the answer
+    cut = lab.clone()
+    cut[0, 5:] = False
+    assert chain_acceptance([h0[None], h1[None], h2[None]], cut) == (2, [2, 1, 1])
+    # every draft hits: chains of k + 1 tokens; none hits: one chain per token
+    ones = [torch.ones(2, 8, dtype=torch.bool)] * 3
+    assert chain_acceptance(ones, torch.ones(2, 8, dtype=torch.bool)) == (4, [4, 4, 4])
+    assert chain_acceptance([~o for o in ones], torch.ones(2, 8, dtype=torch.bool)) == (16, [0, 0, 0])
 
 
 def test_expected_acceptance_length() -> None:

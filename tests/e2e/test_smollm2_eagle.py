@@ -1,12 +1,16 @@
 """The committed EAGLE-3 head for SmolLM2-135M-Instruct (`smollm2-135m-instruct-eagle3`, trained by
 `phalanx train-eagle`), served by `phalanx serve` as a user runs it: greedy chat answers to held-out
-prompts (the built-in prompt set's held-out split, never trained on) accept enough drafts per step, and
-in fp32 the drafted answers equal plain decoding token for token.
+prompts (the built-in prompt set's held-out split, never trained on) accept enough drafts per step; in
+fp32 the drafted answers equal plain decoding token for token; and served data-parallel in lockstep
+(`-dp 2 --dp-lockstep`, the drafter's passes agreed through the vote) under concurrent load, every
+answer equals the single rank's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +58,40 @@ def test_served_head_accepts_on_held_out_chat_prompts(eagle_server: ServerProces
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     assert drafts > 0
     assert 1 + accepted / drafts >= MIN_ACCEPTANCE_LENGTH, (drafts, accepted)
+
+
+@pytest.mark.slow
+def test_lockstep_data_parallel_with_the_head_answers_as_one_rank(eagle_server: ServerProcess, tmp_path: Path) -> None:
+    """The scenario that hung vLLM, on real weights: an EAGLE head drafting 3 tokens, `-dp 2`, many
+    concurrent greedy chat requests. Here the ranks run in lockstep (every forward and drafter pass
+    agreed through the vote): nothing hangs, both ranks draft and accept, and every answer equals the
+    single rank's (bf16: batch-invariant kernels, so the batch a request shares does not matter)."""
+    prompts = held_out_prompts(16)
+    srv = start_server("smollm2-135m-instruct", tmp_path / "dp2.log", "--dtype", "bfloat16", "--max-model-len", "1024",
+                       "--speculative-config", SPEC, "-dp", "2", "--dp-lockstep", timeout=240.0)
+    try:
+        async def answers(base_url: str) -> list[str]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as http:
+                async def one(prompt: str) -> str:
+                    r = await http.post("/v1/chat/completions", json={
+                        "model": "tiny", "temperature": 0, "max_tokens": 48, "messages": messages(prompt)})
+                    assert r.status_code == 200, r.text
+                    return r.json()["choices"][0]["message"]["content"]
+
+                # a ceiling against a hang (~15 s here for each server)
+                return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=150.0)
+
+        dp2 = asyncio.run(answers(srv.base_url))
+        metrics = httpx.get(f"{srv.base_url}/metrics").text
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    one_rank = asyncio.run(answers(eagle_server.base_url))
+    assert dp2 == one_rank
+    for rank in ("0", "1"):  # both ranks drafted, and their drafts were accepted
+        drafts = re.search(rf'phalanx:spec_decode_num_drafts_total{{engine="{rank}"[^}}]*}} (\S+)', metrics)
+        accepted = re.search(rf'phalanx:spec_decode_num_accepted_tokens_total{{engine="{rank}"[^}}]*}} (\S+)', metrics)
+        assert drafts and accepted, metrics
+        assert float(drafts.group(1)) > 0 and float(accepted.group(1)) / float(drafts.group(1)) >= 0.5, (rank, metrics)
 
 
 @pytest.mark.slow

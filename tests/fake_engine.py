@@ -2,7 +2,8 @@
 
 `FakeEngineClient` has the surface `AsyncLLM` uses of `EngineCoreClient` (add / abort requests,
 `recv`, liveness, vocabulary size, context length, speculative k). It records every engine request it is sent and
-answers each with a fixed list of tokens, then finish reason "length". `fake_app` builds the real
+answers each with a fixed list of tokens, then finish reason "length" (with `hold`, only once `release()` is called:
+a request still in its prefill). `fake_app` builds the real
 FastAPI app around it, so HTTP tests run without spawning processes and can assert how much work
 reached the engine (none, for a request rejected with a 400).
 """
@@ -31,6 +32,8 @@ class FakeEngineClient:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens  # the engine's speculative k (0: none)
         self.tokens = tokens
+        self.hold = False  # keep the answers until release()
+        self._held: list[EngineOutputs] = []
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.dead_message: str | None = None
@@ -44,9 +47,18 @@ class FakeEngineClient:
         self.added.extend(requests)
         for r in requests:
             n = min(len(self.tokens), r.sampling_params.max_tokens or len(self.tokens))
-            out = EngineCoreOutput(r.req_id, list(self.tokens[:n]), finish_reason="length")
-            self._queue.put_nowait(EngineOutputs(0, [out]))
+            out = EngineOutputs(0, [EngineCoreOutput(r.req_id, list(self.tokens[:n]), finish_reason="length")])
+            if self.hold:
+                self._held.append(out)
+            else:
+                self._queue.put_nowait(out)
         return 0
+
+    def release(self) -> None:
+        """Send the answers held so far."""
+        for out in self._held:
+            self._queue.put_nowait(out)
+        self._held.clear()
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.aborted.extend(req_ids)

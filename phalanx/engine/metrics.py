@@ -117,7 +117,10 @@ class ServingMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "phalanx:prompt_tokens", "Prompt tokens received (once per prompt, whatever its n).", m, registry=r
+            "phalanx:prompt_tokens",
+            "Prompt tokens processed: each prompt once (whatever its n), when its prefill ends (its first token).",
+            m,
+            registry=r,
         )
         self.generation_tokens = Counter("phalanx:generation_tokens", "Generated tokens.", m, registry=r)
         self.ttft = Histogram(

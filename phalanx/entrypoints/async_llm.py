@@ -50,6 +50,7 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float
     child_ids: set[str]
+    num_prompt_tokens: int  # counted as processed at the request's first token (its prefill done)
     first_token: dict[str, float] = field(default_factory=dict)  # child id -> time of its first token
     last_token: dict[str, float] = field(default_factory=dict)
 
@@ -148,7 +149,7 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_message)
         self.validate_prompt(prompt_token_ids)
         engine_reqs = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
-        stream = _Stream(asyncio.Queue(), time.monotonic(), {cid for cid, _ in engine_reqs})
+        stream = _Stream(asyncio.Queue(), time.monotonic(), {cid for cid, _ in engine_reqs}, len(prompt_token_ids))
         self._streams[request_id] = stream
         for cid, _ in engine_reqs:
             self._child_to_parent[cid] = request_id
@@ -158,7 +159,6 @@ class AsyncLLM:
                 [EngineCoreRequest(cid, list(prompt_token_ids), p, stream.arrival) for cid, p in engine_reqs],
                 self._wait_s,
             )
-            self.metrics.on_prompt(len(prompt_token_ids))  # one prompt, however many samples share it
             while True:
                 item = await stream.queue.get()
                 # Outputs are cumulative: when the consumer fell behind, only the newest matters.
@@ -224,6 +224,8 @@ class AsyncLLM:
                 continue
             first = out.req_id not in stream.first_token
             if first:
+                if not stream.first_token:  # the prompt's prefill is done: counted once, whatever its n
+                    self.metrics.on_prompt(stream.num_prompt_tokens)
                 stream.first_token[out.req_id] = now
             last = stream.last_token.get(out.req_id)
             stream.last_token[out.req_id] = now

@@ -149,12 +149,12 @@ def chain_acceptance(hits: list[torch.Tensor], labelled: torch.Tensor,
     ok = [(h & labelled).cpu().numpy() for h in hits]
     lab = labelled.cpu().numpy()
     steps, accepted = 0, [0] * k
-    for b in range(lab.shape[0]):
-        where = np.flatnonzero(lab[b])
-        if not len(where):
+    B, T = lab.shape
+    for b in range(B):
+        labelled_at = np.flatnonzero(lab[b])
+        if not len(labelled_at):
             continue
-        s = int(first[b]) if first is not None else int(where[0])
-        T = lab.shape[1]
+        s = int(first[b]) if first is not None else int(labelled_at[0])
         while 0 <= s < T and lab[b, s]:
             a = 0
             while a < k and s + a < T and ok[a][b, s + a]:

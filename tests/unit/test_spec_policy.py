@@ -316,6 +316,36 @@ def test_a_catch_up_is_charged_to_the_rows_it_fed_not_to_the_passes() -> None:
     assert against_rows.fit(16).pass_cost > 2 * 0.0003
 
 
+def test_a_catch_up_is_priced_at_the_drafters_cost_per_position_in_bulk() -> None:
+    """Eight requests decode, none drafting: the drafter feeds 0-4 positions a step at its bookkeeping
+    cost (memory-bound passes: a few positions cost what one does). Every 40th step a new request's
+    prompt of ~300 rows comes in and the drafter feeds all of it, at 0.19 ms a position (a bulk pass
+    is compute-bound). A catch-up of hundreds of waiting positions is such a pass: priced at the bulk
+    rate, not at the slope of the steady steps near 8 rows (~0), and the later passes of those bulk
+    steps are not charged to their positions."""
+    rng = np.random.default_rng(11)
+    costs = StepCostModel()
+    for step in range(400):
+        if step % 40 == 0:
+            rows = fed = 300 + int(rng.integers(0, 40))
+            passes = 3
+            drafter = 0.001 * (passes - 1) + 0.00019 * fed
+        else:
+            rows, fed = 8, int(rng.integers(0, 5))
+            passes = int(fed > 0)
+            drafter = 0.00013 + 0.001 * passes
+        seconds = 0.050 + 0.006 * rows + drafter + rng.normal(0, 0.001)
+        costs.observe(rows, seconds, drafter, passes, drafter_rows=fed)
+    assert costs.fit(8).catch_up_row == pytest.approx(0.00019, rel=0.05)
+    assert costs.catch_up_cost(8) == pytest.approx(0.00019, rel=0.05)
+    # with no bulk step in the window, the local slope stands
+    steady = StepCostModel()
+    for step in range(200):
+        fed = step % 5
+        steady.observe(8, 0.1 + 0.0001 * fed, 0.0001 * fed, int(fed > 0), drafter_rows=fed)
+    assert steady.fit(8).catch_up_row == pytest.approx(0.0001, rel=0.3)
+
+
 def test_where_only_prompt_rows_vary_a_draft_row_costs_a_row_and_its_lm_head() -> None:
     """32 requests decode in every step (their count never changes) while prompt chunks come and
     go: the steps say what a prompt row costs (0.6 ms) and nothing about the lm_head's extra. A

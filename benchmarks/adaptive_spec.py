@@ -1,17 +1,30 @@
 """Adaptive draft length against plain decoding and fixed k, through `phalanx serve`.
 
-For one model and speculative method it serves, one server per mode, `plain` (no speculation),
-`k=1`, `k=2`, `k=3` (and any other --ks), `dbs=N` with --dbs N (the largest k, drafting only in
-batches of at most N requests: `phalanx serve`'s default for SmolLM2 uses 8) and `adaptive` (k =
-the largest of --ks, `"adaptive": true`), and drives each with greedy streamed chat requests at every concurrency of
+For one model and speculative method it compares `plain` (no speculation), `k=1`, `k=2`, `k=3`
+(and any other --ks), `dbs=N` with --dbs N (the largest k, drafting only in batches of at most N
+requests: `phalanx serve`'s default for SmolLM2 uses 8) and `adaptive` (k = the largest of --ks,
+`"adaptive": true`), driving each with greedy streamed chat requests at every concurrency of
 --concurrency (one request in flight per slot, --requests-per-slot x concurrency requests, at
-least --min-requests), from the model's held-out questions or --dataset. It prints output tokens/s
-per mode and concurrency, mean TPOT, mean acceptance length and the draft lengths the adaptive
-server chose, then the ratios: adaptive / max(plain, best fixed k) and adaptive / best fixed k.
-The mixed workload (--mixed) sends, at the same concurrencies, half the requests with
-`"speculative": false` and half with code-like repetitive prompts (which a drafter accepts
-often). Writes everything to --json and a plot to --plot. Asserts nothing; run it on a quiet
-machine (the figures are ratios measured in the same run).
+least --min-requests), from the model's held-out questions or --dataset.
+
+Servers. Plain decoding and every fixed k run on ONE static server (k = the largest of --ks): a
+request opted out with `"speculative": false` decodes as plain decoding does (it never feeds the
+drafter), and one capped with `"num_speculative_tokens": j` drafts j tokens every step, as on a
+server started with k = j. So the static modes are compared on one engine: two identical engines
+differ by 2-5 % in step time on a shared 2-core VM (an A/A run in one process: memory placement),
+as much as some differences measured here. `adaptive` and `dbs=N` each have their own server, and
+the adaptive server is also measured with every request opted out (`plain@adaptive`): what the
+adaptive server gains over plain decoding on the same engine, where drafting pays, and what it
+costs where nothing should draft. `--separate-servers` starts one server per mode instead (plain
+without a drafter loaded).
+
+It prints output tokens/s per mode and concurrency, mean TPOT, mean acceptance length and the
+draft lengths the adaptive server chose, then the ratios adaptive / max(plain, best fixed k),
+adaptive / best fixed k and adaptive / plain@adaptive, raw and paired by round. The mixed workload
+(--mixed) sends, at the same concurrencies, half the requests with `"speculative": false` and half
+with code-like repetitive prompts (which a drafter accepts often). Writes everything to --json and
+a plot to --plot. Asserts nothing; run it on a quiet machine (the figures are ratios measured in
+the same run).
 
     python benchmarks/adaptive_spec.py --model phalanx-math \\
         --spec '{"method": "eagle", "model": "phalanx-math-eagle"}' \\
@@ -72,9 +85,11 @@ def workload(prompts: list[str], code: list[str], mixed: bool, n: int) -> list[t
 
 
 async def run_level(base: str, model: str, items: list[tuple[str, bool]], concurrency: int, max_tokens: int,
-                    timeout_s: float) -> dict[str, Any]:
+                    timeout_s: float, fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """All `items` with `concurrency` requests in flight: the summary, the acceptance and the draft
-    lengths given (from /metrics read before and after)."""
+    lengths given (from /metrics read before and after). `fields`: extension fields every request
+    carries (a mode on a shared server: `speculative`, `num_speculative_tokens`); an item's own
+    opt-out comes first."""
     url = f"{base}/v1/chat/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
@@ -87,6 +102,8 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
                                     "stream_options": {"include_usage": True}}  # fmt: skip
             if not speculative:
                 body["speculative"] = False
+            elif fields:
+                body.update(fields)
             async with semaphore:
                 return await send_request(client, url, body, 0, {})
 
@@ -114,28 +131,47 @@ def draft_length_counts(text: str) -> dict[str, float]:
     return out
 
 
-def mode_flags(mode: str, spec: dict[str, Any], max_k: int, extra: list[str]) -> list[str]:
+PLAIN_AT_ADAPTIVE = "plain@adaptive"
+
+
+def mode_server(mode: str, separate: bool) -> tuple[str, dict[str, Any]]:
+    """(server, extension fields of its requests) of a mode: plain decoding and fixed k on the one
+    static server (opted out, or capped at k), plain@adaptive on the adaptive server, opted out;
+    with `separate`, every mode on its own server (plain@adaptive still on the adaptive one)."""
+    if mode == PLAIN_AT_ADAPTIVE:
+        return "adaptive", {"speculative": False}
+    if separate or mode == "adaptive" or mode.startswith("dbs="):
+        return mode, {}
     if mode == "plain":
+        return "static", {"speculative": False}
+    return "static", {"num_speculative_tokens": int(mode.split("=")[1])}
+
+
+def server_flags(server: str, spec: dict[str, Any], max_k: int, extra: list[str]) -> list[str]:
+    """`phalanx serve` flags of a server (`mode_server`'s names): the static one at the largest k."""
+    if server == "plain":
         return extra
     cfg = dict(spec)
-    if mode == "adaptive":
+    if server == "adaptive":
         cfg.update(num_speculative_tokens=max_k, adaptive=True)
-    elif mode.startswith("dbs="):  # static k = max_k with disable_by_batch_size
-        cfg.update(num_speculative_tokens=max_k, disable_by_batch_size=int(mode.split("=")[1]))
+    elif server.startswith("dbs="):  # static k = max_k with disable_by_batch_size
+        cfg.update(num_speculative_tokens=max_k, disable_by_batch_size=int(server.split("=")[1]))
+    elif server == "static":
+        cfg.update(num_speculative_tokens=max_k)
     else:
-        cfg.update(num_speculative_tokens=int(mode.split("=")[1]))
+        cfg.update(num_speculative_tokens=int(server.split("=")[1]))
     return [*extra, "--speculative-config", json.dumps(cfg)]
 
 
-def start_servers(args: argparse.Namespace, modes: list[str], spec: dict, max_k: int, warm_prompts: list[str],
+def start_servers(args: argparse.Namespace, names: list[str], spec: dict, max_k: int, warm_prompts: list[str],
                   log_dir: Path) -> dict[str, tuple[Any, str]]:
-    """One server per mode, all up at once (idle ones only poll), each warmed by two requests."""
+    """The servers named, all up at once (idle ones only poll), each warmed by two requests."""
     servers: dict[str, tuple[Any, str]] = {}
     try:
-        for mode in modes:
-            flags = mode_flags(mode, spec, max_k, ["--max-num-seqs", str(max(args.concurrency)), *args.serve_args])
-            proc, base = start_server(args.model, flags, log_dir / f"{mode.replace('=', '')}.log")
-            servers[mode] = (proc, base)
+        for name in names:
+            flags = server_flags(name, spec, max_k, ["--max-num-seqs", str(max(args.concurrency)), *args.serve_args])
+            proc, base = start_server(args.model, flags, log_dir / f"{name.replace('=', '')}.log")
+            servers[name] = (proc, base)
             with httpx.Client(timeout=args.request_timeout) as warm:
                 for prompt in warm_prompts[:2]:
                     warm.post(f"{base}/v1/chat/completions", json={
@@ -163,8 +199,9 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
                 # Every other round in reverse order: a machine drifting within a round then favours
                 # neither the first mode nor the last.
                 for mode in modes if rnd % 2 == 0 else modes[::-1]:
-                    res = asyncio.run(run_level(servers[mode][1], args.model, items, c, args.max_tokens,
-                                                args.level_timeout))  # fmt: skip
+                    server, fields = mode_server(mode, args.separate_servers)
+                    res = asyncio.run(run_level(servers[server][1], args.model, items, c, args.max_tokens,
+                                                args.level_timeout, fields))  # fmt: skip
                     rounds[mode].append(res)
                     acc = (res["spec_decode"] or {}).get("mean_acceptance_length", float("nan"))
                     print(f"{mode:>9} {name:>6} c={c:<3} {res['output_throughput']:8.1f} tok/s  "
@@ -181,23 +218,32 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
 def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name: str, levels: list[int]) -> str:
     """Medians per mode, their ratios, and the paired ratios: adaptive against the others measured
     in the same round (one round takes a minute or two, over which this kind of shared machine
-    drifts by ~10 %: a ratio within a round cancels most of that), the median over the rounds."""
+    drifts by ~10 %: a ratio within a round cancels most of that), the median over the rounds; with
+    plain@adaptive, adaptive against plain decoding on its own server too, paired likewise."""
     fixed = [m for m in modes if m.startswith("k=")]
-    head = ("| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | adaptive / max(plain, best k) | adaptive / best k"
-            + " | paired: adaptive / max(plain, best k) | paired: adaptive / best k |")
-    lines = [head, "|" + "---|" * (len(modes) + 5)]
-    nan = float("nan")
+    columns = ["adaptive / max(plain, best k)", "adaptive / best k", "paired: adaptive / max(plain, best k)",
+               "paired: adaptive / best k"]
+    same_server = PLAIN_AT_ADAPTIVE in modes
+    if same_server:
+        columns.append("paired: adaptive / plain@adaptive")
+    head = "| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | " + " | ".join(columns) + " |"
+    lines = [head, "|" + "---|" * (len(modes) + len(columns) + 1)]
     for c in levels:
         point = {m: results[m][f"{name}/c{c}"] for m in modes}
         tput = {m: point[m]["output_throughput"] for m in modes}
-        ratios = _ratios(tput, fixed)
         rounds = [{m: point[m]["rounds_output_throughput"][i] for m in modes}
                   for i in range(min(len(point[m]["rounds_output_throughput"]) for m in modes))]
         paired = [_ratios(r, fixed) for r in rounds]
-        med = [float(np.median([p[j] for p in paired])) if paired else nan for j in (0, 1)]
+        figures = [*_ratios(tput, fixed), *(_median([p[j] for p in paired]) for j in (0, 1))]
+        if same_server:
+            figures.append(_median([r["adaptive"] / r[PLAIN_AT_ADAPTIVE] for r in rounds]))
         lines.append(f"| {c} | " + " | ".join(f"{tput[m]:.1f}" for m in modes)
-                     + "".join(f" | {x:.3f}" for x in (*ratios, *med)) + " |")  # fmt: skip
+                     + "".join(f" | {x:.3f}" for x in figures) + " |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else float("nan")
 
 
 def _ratios(tput: dict[str, float], fixed: list[str]) -> tuple[float, float]:
@@ -249,6 +295,9 @@ def main() -> int:
     p.add_argument("--modes", default=None, help="subset of modes, e.g. plain,k=1,adaptive (default: all)")
     p.add_argument("--dbs", type=int, default=None,
                    help="also a static mode with the largest k and this disable_by_batch_size (mode dbs=N)")
+    p.add_argument("--separate-servers", action="store_true",
+                   help="one server per mode (plain without a drafter) instead of one static server for "
+                        "plain and every fixed k")
     p.add_argument("--serve-args", default="", help="extra `phalanx serve` flags, e.g. '--num-threads 2'")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--level-timeout", type=float, default=1800.0, help="ceiling per (mode, workload, c)")
@@ -258,9 +307,11 @@ def main() -> int:
     args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
     args.serve_args = args.serve_args.split()
     ks = sorted(int(k) for k in args.ks.split(","))
-    modes = args.modes.split(",") if args.modes else ["plain", *(f"k={k}" for k in ks), "adaptive"]
+    modes = args.modes.split(",") if args.modes else ["plain", *(f"k={k}" for k in ks), "adaptive", PLAIN_AT_ADAPTIVE]
     if args.dbs is not None:
-        modes.insert(len(modes) - ("adaptive" in modes), f"dbs={args.dbs}")
+        modes.insert(modes.index("adaptive") if "adaptive" in modes else len(modes), f"dbs={args.dbs}")
+    if PLAIN_AT_ADAPTIVE in modes and "adaptive" not in modes:
+        p.error(f"mode {PLAIN_AT_ADAPTIVE} needs mode adaptive")
     spec = json.loads(args.spec)
     if "num_speculative_tokens" in spec or "adaptive" in spec:
         p.error("--spec must leave out num_speculative_tokens and adaptive (the script sets them per mode)")
@@ -271,7 +322,8 @@ def main() -> int:
         work["mixed"] = workload(prompts, code_like_prompts(n_max), True, n_max)
     log_dir = Path("/tmp") / f"adaptive_spec_{int(time.time())}"
     log_dir.mkdir(parents=True)
-    servers = start_servers(args, modes, spec, max(ks), prompts, log_dir)
+    names = list(dict.fromkeys(mode_server(m, args.separate_servers)[0] for m in modes))
+    servers = start_servers(args, names, spec, max(ks), prompts, log_dir)
     try:
         results = run_all(args, modes, servers, work)
     finally:
@@ -290,7 +342,8 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": args.model, "spec": spec, "ks": ks, "max_tokens": args.max_tokens,
-                "concurrency": args.concurrency, "cpu": _cpu_name(), "command": " ".join(sys.argv)}  # fmt: skip
+                "concurrency": args.concurrency, "cpu": _cpu_name(), "command": " ".join(sys.argv),
+                "servers": {m: mode_server(m, args.separate_servers) for m in modes}}  # fmt: skip
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
     if args.plot:
         plot(results, modes, list(work), args.concurrency, Path(args.plot), args.model)

@@ -321,8 +321,7 @@ def test_a_catch_up_is_priced_at_the_drafters_cost_per_position_in_bulk() -> Non
     cost (memory-bound passes: a few positions cost what one does). Every 40th step a new request's
     prompt of ~300 rows comes in and the drafter feeds all of it, at 0.19 ms a position (a bulk pass
     is compute-bound). A catch-up of hundreds of waiting positions is such a pass: priced at the bulk
-    rate, not at the slope of the steady steps near 8 rows (~0), and the later passes of those bulk
-    steps are not charged to their positions."""
+    rate, not at the slope of the steady steps near 8 rows (~0)."""
     rng = np.random.default_rng(11)
     costs = StepCostModel()
     for step in range(400):

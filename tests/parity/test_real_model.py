@@ -48,26 +48,28 @@ def reference(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory):  # noq
     # plain array view (numpy's memmap subclass runs Python code on every slice the parse takes); and
     # gguf's tensor-name map, which transformers builds again for each of the model's ~400 modules,
     # is built once.
-    real_memmap, real_reader, real_load = np.memmap, gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
-    readers: dict[str, gguf.GGUFReader] = {}
-    metadata: dict[str, dict] = {}
+    real_memmap = np.memmap
 
     def memmap(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         return real_memmap(path, *args, **kwargs).view(np.ndarray)
 
-    def reader(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if args or kwargs:
-            return real_reader(path, *args, **kwargs)
-        if str(path) not in readers:
-            readers[str(path)] = real_reader(path)
-        return readers[str(path)]
+    def once_per_path(real, plain):  # noqa: ANN001, ANN202
+        """`real(path, ...)`, computed once per path for the calls `plain(args, kwargs)` accepts."""
+        memo: dict[str, object] = {}
 
-    def load(path, return_tensors=False, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        if return_tensors or kwargs:
-            return real_load(path, return_tensors=return_tensors, **kwargs)
-        if str(path) not in metadata:
-            metadata[str(path)] = real_load(path, return_tensors=False)
-        return metadata[str(path)]
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not plain(args, kwargs):
+                return real(path, *args, **kwargs)
+            if str(path) not in memo:
+                memo[str(path)] = real(path, *args, **kwargs)
+            return memo[str(path)]
+        return call
+
+    reader = once_per_path(gguf.GGUFReader, lambda args, kwargs: not args and not kwargs)
+    # load_gguf_checkpoint(path, return_tensors=False): the metadata-only parse
+    load = once_per_path(gguf_utils.load_gguf_checkpoint,
+                         lambda args, kwargs: not any(args) and set(kwargs) <= {"return_tensors"}
+                         and not kwargs.get("return_tensors"))
 
     with (mock.patch.object(gguf.gguf_reader.np, "memmap", memmap), mock.patch.object(gguf, "GGUFReader", reader),
           mock.patch.object(gguf_utils, "load_gguf_checkpoint", load),

@@ -803,7 +803,7 @@ def test_a_profiled_curve_is_the_same_whatever_was_asked_before() -> None:
 
 def test_where_every_step_drafted_alike_a_step_without_drafts_costs_its_forward_at_least() -> None:
     """16 requests drafting 3 each, every step alike (the static steps an engine starts with): 64 rows,
-    the drafter feeding 64 positions in 3 passes, 6.4 ms of its 26 ms. Neither the drafter's rows nor
+    the drafter feeding 64 positions in 3 passes, 6.4 ms of its 172 ms. Neither the drafter's rows nor
     its first pass vary, so both are their priors, each of which explains all 6.4 ms; the drafter's
     fixed part came out negative, and 16 requests decoding without drafts were priced under their own
     forward (42.2 ms against 45), which made drafting look dearer than it was (on the demo at 16

@@ -428,15 +428,15 @@ class StepCostModel:
             first_cost = pass_cost = pass_prior
         drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
         if drafter_fixed < 0.0:
-            # The drafter takes no time where it feeds nothing and runs no pass, so its fixed part is
-            # not negative. It is where its parts are not told apart: where every step near here ran
-            # the drafter, the first pass's cost is its prior (the average pass), as the rows fed are
-            # where they did not vary, and each prior explains all of the drafter's time, their sum
-            # up to twice it. The first pass (the part that runs alike in every step that drafts)
-            # takes what the rows fed and the later passes leave, and where that is not enough all
-            # are scaled down to the time measured here. Before, the negative rest priced a step
-            # without drafts ~3 ms under what it took on the demo at 16 requests on AVX2 (4.6
-            # against ~7), and drafting turned off in half the decisions where k = 3 paid 15 %.
+            # The drafter takes no time where it feeds nothing and runs no pass, so its fixed part
+            # is not negative. It comes out negative where its parts are not told apart: where every
+            # step near here ran the drafter alike, the first pass and the rows fed sit at their
+            # priors, each of which explains all of the drafter's time (their sum up to twice it).
+            # So the first pass (what every drafting step runs alike) takes what the rows fed and
+            # the later passes leave, and where that is not enough all three are scaled down to
+            # the time measured here. A negative fixed part priced a step without drafts ~3 ms
+            # under what it took (the demo at 16 requests on AVX2: 4.6 against ~7), and drafting
+            # turned off in half the decisions where k = 3 paid 15 %.
             if mu > 0.0:
                 cut = min(-drafter_fixed / mu, first_cost)
                 first_cost, drafter_fixed = first_cost - cut, drafter_fixed + cut * mu

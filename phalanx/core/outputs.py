@@ -85,6 +85,7 @@ class ModelRunnerOutput:
     # Drafter forwards this step ran (pass 1 + one per draft position; the voted ones in lockstep).
     num_drafter_passes: int = 0
     drafter_rows_fed: int = 0  # positions the drafter's first pass fed
+    drafter_pass_rows: int = 0  # positions its later passes fed
     # Requests whose drafter catch-up waits, or that never feed the drafter (opted out; 0)
     # (``spec_decode.proposer``): the first position without drafter KV; their blocks from there on
     # go to the prefix cache marked without it.

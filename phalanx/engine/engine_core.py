@@ -150,6 +150,7 @@ class EngineCore:
                 forward_seconds=self.runner.forward_seconds - forward_before,
                 drafter_passes=result.num_drafter_passes,
                 drafter_rows=result.drafter_rows_fed,
+                drafter_pass_rows=result.drafter_pass_rows,
                 num_logit_rows=len(sched.reaching_end) + num_draft_rows,
                 num_draft_rows=num_draft_rows,
             ))
@@ -160,8 +161,8 @@ class EngineCore:
         """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
         tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
-        `passes` the drafter passes run for the next step and `drafter_rows` the positions its first
-        fed, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
+        `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
+        fed and `drafter_pass_rows` those its later passes fed, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
         the tokens the step emitted. What tells where a step's time goes, per batch shape."""
         assert self._step_log is not None
         self._step_log.write(json.dumps({
@@ -169,6 +170,7 @@ class EngineCore:
             "reqs": len(sched.num_scheduled_tokens),
             "drafts": num_draft_rows,
             "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,
+            "drafter_pass_rows": result.drafter_pass_rows,
             "forward": self.runner.forward_seconds - forward_before,
             "drafter": self.runner.drafter_seconds - drafter_before,
             "tokens": emitted,

@@ -188,7 +188,7 @@ class StepFit(NamedTuple):
 
 
 # The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
-_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "forward", "step")
+_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "pass_rows", "forward", "step")
 
 
 class StepCostModel:
@@ -232,6 +232,7 @@ class StepCostModel:
 
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
                  row_ridge: float = 16.0, pass_ridge: float = 1.0, verify_ridge: float = 1.0,
+                 drafter_row_ridge: float = PRIOR_FIXED_ROWS ** 2,
                  refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.1) -> None:
         self.window, self.bandwidth = window, bandwidth
         # What a row that computes logits costs on top of one that does not, as a share of the
@@ -258,17 +259,24 @@ class StepCostModel:
         # the verification's cost then lands partly on the rows, and the fixed part the policy
         # amortizes over all drafting requests shrinks.
         self.row_ridge, self.pass_ridge, self.verify_ridge = row_ridge, pass_ridge, verify_ridge
+        # The drafter's cost per position weighs one pair of steps PRIOR_FIXED_ROWS positions apart:
+        # its timer jitters by ~0.5 ms between steps (the demo on AVX2), so where the positions fed
+        # vary by one or two (every request drafting alike) the slope read from them was noise
+        # (-0.3 ms a position at 32 requests, truly ~0.08) and the drafter's time went to its first
+        # pass. Catch-ups and prompt chunks vary them by tens to hundreds, and outweigh it.
+        self.drafter_row_ridge = drafter_row_ridge
         self._decay = 0.5 ** (1.0 / half_life)
         # The window, one row per quantity (the named attributes are views of its rows). A step is
         # queued as a tuple (`_pending`) and written when something reads the window (`_flush`):
         # nine numpy stores a step, with cold caches between forward passes, cost ~5 us a step.
         self._data = np.zeros((len(_FIELDS), window))
         (self._rows, self._logit_rows, self._seconds, self._drafter, self._passes, self._verifies, self._fed,
-         self._forward, self._step) = self._data
+         self._pass_rows, self._forward, self._step) = self._data
         self._step[:] = -np.inf  # -inf: an empty slot
         # _drafter: seconds (0 where it ran no pass); _verifies: 1.0 where the step verified drafts;
-        # _fed: positions the drafter's first pass fed; _forward: seconds in the target's forward and
-        # lm_head; _step: the step count each entry was taken at
+        # _fed: positions the drafter's first pass fed; _pass_rows: those its later passes fed;
+        # _forward: seconds in the target's forward and lm_head; _step: the step count each entry
+        # was taken at
         self._pending: list[tuple[float, ...]] = []
         self._next = 0
         self._count = 0
@@ -317,12 +325,13 @@ class StepCostModel:
 
     def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                 num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-                forward_seconds: float | None = None) -> None:
+                forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
         """One step: `num_rows` through the target forward, `num_logit_rows` of them computing logits
         (None: all), `num_draft_rows` of those verifying drafts, `seconds` for the whole step, of which
         `drafter_seconds` in `drafter_passes` drafter passes, the first of which fed `drafter_rows`
-        positions (None: the step's rows; more where a catch-up waited, fewer where it now waits),
-        and `forward_seconds` in the target's forward and lm_head (None: all but the drafter's)."""
+        positions (None: the step's rows; more where a catch-up waited, fewer where it now waits)
+        and the later ones `drafter_pass_rows` together, and `forward_seconds` in the target's
+        forward and lm_head (None: all but the drafter's)."""
         if num_rows <= 0 or seconds <= 0:
             return
         self._count += 1
@@ -332,7 +341,8 @@ class StepCostModel:
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
         self._pending.append((
             num_rows, num_rows if num_logit_rows is None else num_logit_rows, seconds, drafter, drafter_passes,
-            num_draft_rows > 0, num_rows if drafter_rows is None else drafter_rows, forward, self._count,
+            num_draft_rows > 0, num_rows if drafter_rows is None else drafter_rows, drafter_pass_rows, forward,
+            self._count,
         ))
         if len(self._pending) >= self.window:
             self._flush()
@@ -377,8 +387,6 @@ class StepCostModel:
         self._flush()
         x, y, lg, v = self._rows, self._seconds, self._logit_rows, self._verifies
         age = self._count - self._step  # steps since each entry (inf: an empty slot)
-        u = (self._passes > 0).astype(np.float64)  # the drafter ran (pass 1)
-        q = np.maximum(self._passes - 1.0, 0.0)  # drafter passes after the first
         full = np.isfinite(age)
         near = self._nearness(base_rows)
         kernel = np.where(full, np.exp(-0.5 * near * near), 0.0)  # [window]
@@ -395,14 +403,7 @@ class StepCostModel:
         w = w / w.sum()
         d = self._drafter
         t = y - d  # everything but the drafter: the target forward, sampling, scheduling
-        fed = self._fed
-        mx, ml, mv, mu, mq, mt, md, mf = w @ x, w @ lg, w @ v, w @ u, w @ q, w @ t, w @ d, w @ fed
-        # Priors: the drafter's time ~ rows it fed + PRIOR_FIXED_ROWS through the local means; pass 1
-        # and each later pass at the average drafter time per pass.
-        drafter_row_prior = md / (mf + PRIOR_FIXED_ROWS)
-        ran = full & (self._passes > 0)
-        wp = w[ran].sum()
-        pass_prior = float(w[ran] @ (d[ran] / self._passes[ran]) / wp) if wp > 0 else 0.0
+        mx, ml, mv, mt = w @ x, w @ lg, w @ v, w @ t
         # The slopes from step-to-step differences: consecutive steps share the machine's state, so
         # a slow spell (other tenants, frequency) cancels instead of being charged to whatever the
         # policy chose during it. Slot i - 1 holds the step before slot i's (ring order).
@@ -412,43 +413,15 @@ class StepCostModel:
         if total > 0:
             wd = wd / total
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
-            ridge = share * np.array([self.row_ridge, self.pass_ridge, self.pass_ridge])
-            # The drafter's part against the rows its first pass fed (a catch-up's included: charged
-            # to the later passes it would make a spell of no drafting look dear), whether it ran,
-            # and its later passes, from its own timer: a pass is ~2 % of a step, far below the
-            # step's jitter, but not below the drafter's.
-            dd, df = d - np.roll(d, 1), fed - np.roll(fed, 1)
-            du, dq = u - np.roll(u, 1), q - np.roll(q, 1)
-            dz = np.stack([df, du, dq])  # [3, window]
-            gram = (dz * wd) @ dz.T + np.diag(ridge)
-            rhs = (dz * wd) @ dd + ridge * np.array([drafter_row_prior, pass_prior, pass_prior])
-            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
-        else:
-            drafter_row = drafter_row_prior
-            first_cost = pass_cost = pass_prior
-        drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
-        if drafter_fixed < 0.0:
-            # The drafter takes no time where it feeds nothing and runs no pass, so its fixed part
-            # is not negative. It comes out negative where its parts are not told apart: where every
-            # step near here ran the drafter alike, the first pass and the rows fed sit at their
-            # priors, each of which explains all of the drafter's time (their sum up to twice it).
-            # So the first pass (what every drafting step runs alike) takes what the rows fed and
-            # the later passes leave, and where that is not enough all three are scaled down to
-            # the time measured here. A negative fixed part priced a step without drafts ~3 ms
-            # under what it took (the demo at 16 requests on AVX2: 4.6 against ~7), and drafting
-            # turned off in half the decisions where k = 3 paid 15 %.
-            if mu > 0.0:
-                cut = min(-drafter_fixed / mu, first_cost)
-                first_cost, drafter_fixed = first_cost - cut, drafter_fixed + cut * mu
-            if drafter_fixed < 0.0:
-                explained = drafter_row * mf + first_cost * mu + pass_cost * mq  # > md >= 0
-                drafter_row, first_cost, pass_cost = (x * md / explained for x in (drafter_row, first_cost, pass_cost))
-            drafter_fixed = 0.0
-        # A catch-up at the drafter's cost per position in bulk (its later passes taken out): that
-        # cost does not depend on the target's batch, so every bulk step in the window counts.
-        bulk = full & (fed >= BULK_FEED) & (self._passes > 0)
+        drafter_row, first_cost, pass_cost, drafter_fixed = self._fit_drafter(w, wd)
+        # A catch-up at the drafter's cost per position in bulk (its later passes' overhead taken
+        # out): that cost does not depend on the target's batch, so every bulk step in the window
+        # counts.
+        positions = self._fed + self._pass_rows
+        q = np.maximum(self._passes - 1.0, 0.0)
+        bulk = full & (self._fed >= BULK_FEED) & (self._passes > 0)
         wb = recency[bulk]
-        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0)) / float(wb @ fed[bulk])
+        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0)) / float(wb @ positions[bulk])
                         if wb.sum() > 0 else drafter_row)
         dv = v - np.roll(v, 1)
         if self._profile is not None:
@@ -486,8 +459,9 @@ class StepCostModel:
             dr = np.stack([dx, dl, dv])  # [3, window]
             ls = self.logit_share
             tie = np.array([[ls * ls, -ls, 0.0], [-ls, 1.0, 0.0], [0.0, 0.0, 0.0]])  # (extra - ls * row)^2
-            gram = (dr * wd) @ dr.T + np.diag([ridge[0], 0.0, share * self.verify_ridge]) + ridge[0] * tie
-            rhs = (dr * wd) @ dt + np.array([ridge[0] * row_prior, 0.0, 0.0])
+            row_ridge = share * self.row_ridge
+            gram = (dr * wd) @ dr.T + np.diag([row_ridge, 0.0, share * self.verify_ridge]) + row_ridge * tie
+            rhs = (dr * wd) @ dt + np.array([row_ridge * row_prior, 0.0, 0.0])
             target_row, logit_extra, verify_cost = np.linalg.solve(gram, rhs).tolist()
             # Each clipped as a whole (where every row computes logits the two row terms split one
             # slope between them, either part possibly below zero).
@@ -502,6 +476,78 @@ class StepCostModel:
         per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
         return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost),
                        float(verify_cost), 0.0, catch_up_row)
+
+    def _fit_drafter(self, w: np.ndarray, wd: np.ndarray) -> tuple[float, float, float, float]:
+        """The drafter's part of the local fit (`w`: the steps' weights, `wd`: the step-to-step
+        pairs'): (seconds a position fed, its first pass, each later pass, its fixed part), from
+        its own timer: a pass is ~2 % of a step, far below the step's jitter, but not below the
+        drafter's.
+
+            drafter = fixed + row * positions fed (all passes) + first * [passes >= 1] + pass * (passes - 1)
+
+        A later pass feeds one position per request drafting that deep; those are positions, so a
+        pass is priced at its overhead. The steps whose first pass caught up a wait (`BULK_FEED`
+        positions or more beyond the step's rows) are left out: a catch-up is priced per position
+        in bulk (`StepFit.catch_up_row`), and it comes with the passes of the drafts that end the
+        wait (the whole batch at its caps after a spell of none: the demo at 32 requests fed 800
+        positions and ran two later passes in one step). Kept, what its positions cost beyond the
+        local slope went to those passes (16-18 ms a pass against ~5) and drafting stopped."""
+        d, passes = self._drafter, self._passes
+        u = (passes > 0).astype(np.float64)  # the drafter ran (pass 1)
+        q = np.maximum(passes - 1.0, 0.0)  # drafter passes after the first
+        fed = self._fed + self._pass_rows
+        kept = ~((self._fed - self._rows >= BULK_FEED) & (passes > 0))
+        if (w * kept).sum() > 0:  # (only catch-ups near here: they are all there is to go by)
+            w = w * kept / (w * kept).sum()
+            wd = wd * kept * np.roll(kept, 1)
+        md, mf, mu, mq = w @ d, w @ fed, w @ u, w @ q
+        # What the drafter takes in the steps near here that ran no pass (its bookkeeping; none
+        # where every step ran one): its fixed part, at most.
+        idle = w * (passes == 0)
+        idle_cost = float(idle @ d) / float(idle.sum()) if idle.sum() > 0 else 0.0
+        # Priors: a drafting step's time beyond that ~ positions fed + PRIOR_FIXED_ROWS through the
+        # local means, the fixed part (PRIOR_FIXED_ROWS positions' worth) spread over its passes
+        # alike. Priced at the average drafter time a pass instead, a later pass cost every position
+        # the first fed: where no step near here ran one (the demo at 32 requests drafting one
+        # each, prompts fed alongside) that prior stood at 5-12 ms against ~2.5, and drafting stopped.
+        drafter_row = max(md - idle_cost, 0.0) / (mf + PRIOR_FIXED_ROWS * mu) if mf + mu > 0 else 0.0
+        first_cost = pass_cost = drafter_row * PRIOR_FIXED_ROWS * mu / (mu + mq) if mu + mq > 0 else 0.0
+        total = wd.sum()
+        if total > 0:
+            wd = wd / total
+            # Each prior weighs one pair of steps (the row's: PRIOR_FIXED_ROWS positions apart).
+            ridge = float(wd @ wd) * np.array([self.drafter_row_ridge, self.pass_ridge, self.pass_ridge])
+            dz = np.stack([fed - np.roll(fed, 1), u - np.roll(u, 1), q - np.roll(q, 1)])  # [3, window]
+            gram = (dz * wd) @ dz.T + np.diag(ridge)
+            rhs = (dz * wd) @ (d - np.roll(d, 1)) + ridge * np.array([drafter_row, first_cost, pass_cost])
+            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+        drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
+        if drafter_fixed < 0.0:
+            # The drafter takes no time where it feeds nothing and runs no pass, so its fixed part
+            # is not negative. It comes out negative where its parts are not told apart: where every
+            # step near here ran the drafter alike, the first pass and the positions fed sit at
+            # their priors, and the positions' slope, read from differences of a position or two,
+            # may be far above its prior (noise). So the first pass (what every drafting step runs
+            # alike) takes what the positions and the later passes leave, and where that is not
+            # enough all three are scaled down to the time measured here. A negative fixed part
+            # priced a step without drafts ~3 ms under what it took (the demo at 16 requests on
+            # AVX2: 4.6 against ~7), and drafting turned off in half the decisions where k = 3
+            # paid 15 %.
+            if mu > 0.0:
+                cut = min(-drafter_fixed / mu, first_cost)
+                first_cost, drafter_fixed = first_cost - cut, drafter_fixed + cut * mu
+            if drafter_fixed < 0.0:
+                explained = md - drafter_fixed  # > md >= 0
+                drafter_row, first_cost, pass_cost = (x * md / explained for x in (drafter_row, first_cost, pass_cost))
+            drafter_fixed = 0.0
+        if drafter_fixed > idle_cost and mu > 0.0:
+            # Nor is it more than the drafter takes in the steps near here that ran no pass: the
+            # rest is what running at all costs, the first pass's. Where positions and passes never
+            # varied, their priors leave part of the drafter's time unexplained, and a fixed part
+            # would price it into every step without drafts.
+            first_cost += (drafter_fixed - idle_cost) / mu
+            drafter_fixed = idle_cost
+        return float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed)
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
         """The fit at the grid point nearest `rows` (None where no step was measured within its cut,
@@ -708,9 +754,9 @@ class AdaptiveDrafting:
 
     def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                      num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-                     forward_seconds: float | None = None) -> None:
+                     forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
         self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows, num_draft_rows,
-                           drafter_rows, forward_seconds)
+                           drafter_rows, forward_seconds, drafter_pass_rows)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

@@ -41,6 +41,7 @@ from phalanx.spec_decode.proposer import (
     drafter_pass,
     drafter_room,
     feed_range,
+    later_pass_rows,
     num_passes,
     pass_size,
     uniform_grid,
@@ -83,6 +84,7 @@ class DraftModelProposer:
         self._skipped: set[str] = set()  # opted-out requests: never fed (``proposer``)
         self.passes_run = 0
         self.rows_fed = 0
+        self.pass_rows = 0
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         return [(self.config.num_kv_heads, self.config.head_dim)] * self.config.num_layers
@@ -114,6 +116,7 @@ class DraftModelProposer:
     def propose(self, batch: ProposeBatch) -> list[list[int]]:
         self.passes_run = 0
         self.rows_fed = 0
+        self.pass_rows = 0
         k = self.num_speculative_tokens
         may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
@@ -145,9 +148,10 @@ class DraftModelProposer:
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
         self.rows_fed = sum(len(f.token_ids) for f in feeds)
+        chains = self._chains(batch)
+        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         if passes == 0:
             return drafts
-        chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call (bitwise the same)
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(

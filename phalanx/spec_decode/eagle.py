@@ -37,6 +37,7 @@ from phalanx.spec_decode.proposer import (
     drafter_pass,
     drafter_room,
     feed_range,
+    later_pass_rows,
     max_lag,
     num_passes,
     pass_size,
@@ -90,6 +91,7 @@ class EagleProposer:
         self.block_size = 16
         self.passes_run = 0
         self.rows_fed = 0
+        self.pass_rows = 0
         self._waiting: dict[str, Waiting] = {}
         self._skipped: set[str] = set()  # opted-out requests: never fed (``proposer``)
 
@@ -131,6 +133,7 @@ class EagleProposer:
         assert batch.target_hidden is not None
         self.passes_run = 0
         self.rows_fed = 0
+        self.pass_rows = 0
         k = self.num_speculative_tokens
         may_defer = batch.pass_sizes is None
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
@@ -167,6 +170,8 @@ class EagleProposer:
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
         self.rows_fed = sum(len(f.token_ids) for f in feeds)
+        chains = self._chains(batch)
+        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         if passes == 0:
             return drafts
         raw = self._raw(batch, fed_rows)
@@ -181,7 +186,6 @@ class EagleProposer:
                 at += n
             raw = torch.cat(pieces)
         features = self._fuse(raw)
-        chains = self._chains(batch)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call: the [R, q] grid, then one token each
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.head.draft_chain(

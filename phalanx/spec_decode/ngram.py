@@ -36,6 +36,7 @@ class NgramProposer:
     num_lookahead_slots = 0
     passes_run = 0  # a lookup, no drafter forwards
     rows_fed = 0
+    pass_rows = 0
 
     def __init__(self, spec: SpeculativeConfig, target_model: torch.nn.Module, target_cfg: ModelConfig) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens

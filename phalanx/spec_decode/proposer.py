@@ -90,10 +90,11 @@ class Proposer(Protocol):
     # Target layers whose entering residual stream the proposer consumes (EAGLE-3).
     aux_layer_ids: tuple[int, ...]
     needs_target_hidden: bool
-    # Drafter forwards the last `propose` ran (0: none), and the positions its first pass fed
-    # (this step's and any caught up on).
+    # Drafter forwards the last `propose` ran (0: none), the positions its first pass fed (this
+    # step's and any caught up on) and those its later passes fed (`later_pass_rows`).
     passes_run: int
     rows_fed: int
+    pass_rows: int
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each drafter layer that needs a paged KV cache."""
@@ -314,6 +315,20 @@ def num_passes(batch: ProposeBatch, deepest: int, fed: bool = True) -> int:
     if batch.pass_sizes is not None:
         return len(batch.pass_sizes)
     return max(deepest, 1) if fed else 0
+
+
+def later_pass_rows(batch: ProposeBatch, depths: list[int], passes: int, chained: bool) -> int:
+    """Positions passes 2..`passes` feed, for the step-cost model (`depths`: the drafting requests'
+    draft lengths): in lockstep each pass's voted size (padding runs too); through a drafting chain
+    every drafting request in every pass (`chain_grid`, `chain_rest`); pass by pass, pass j those
+    drafting j or more (`draft_rest`)."""
+    if passes <= 1:
+        return 0
+    if batch.pass_sizes is not None:
+        return sum(batch.pass_sizes[1:])
+    if chained:
+        return len(depths) * (passes - 1)
+    return sum(min(d, passes) - 1 for d in depths if d > 1)
 
 
 def pass_size(batch: ProposeBatch, j: int) -> int | None:

@@ -336,6 +336,7 @@ class ModelRunner:
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
         out.drafter_rows_fed = self.proposer.rows_fed
+        out.drafter_pass_rows = self.proposer.pass_rows
         # requests whose drafter catch-up waits: their blocks are published to the prefix cache only
         # up to where the drafter's KV is complete
         out.drafter_kv_end = self.proposer.drafter_kv_ends()

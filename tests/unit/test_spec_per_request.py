@@ -158,9 +158,10 @@ def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
 
     def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
               num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-              forward_seconds: float | None = None) -> None:
+              forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
         observe(num_rows, 1.0 + row_seconds * num_rows + pass_seconds * drafter_passes, pass_seconds * drafter_passes,
-                drafter_passes, num_logit_rows, num_draft_rows, drafter_rows, 1.0 + row_seconds * num_rows)
+                drafter_passes, num_logit_rows, num_draft_rows, drafter_rows, 1.0 + row_seconds * num_rows,
+                drafter_pass_rows)
 
     adaptive.observe_step = fixed  # type: ignore[method-assign]
 

@@ -195,11 +195,12 @@ class StepCostModel:
     """Step time against the rows of the step's target forward and its drafter passes, fitted where
     the policy asks.
 
-    Every step leaves (rows, logit rows, whether it verified drafts, passes, rows the first pass
-    fed, seconds, drafter seconds) in a window of the last `window` steps. `fit(base)` fits
+    Every step leaves (rows, logit rows, whether it verified drafts, passes, positions the first
+    pass fed and the later ones fed, seconds, drafter seconds) in a window of the last `window`
+    steps. `fit(base)` fits
 
         seconds = fixed + row * rows + logit_extra * logit_rows + verify_cost * [drafts verified]
-                  + drafter_row * rows_fed + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
+                  + drafter_row * positions_fed + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
 
     over that window by weighted least squares, each step weighted by its recency (half-life
     `half_life` steps) and by how close its rows are to `base` (a Gaussian in log(rows +
@@ -211,16 +212,17 @@ class StepCostModel:
     draft row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on
     a small model, and most of the rows' variation at high load is prompts') and whether it
     verified drafts (a fixed cost: the rejection sampler, the per-draft bookkeeping); the drafter's
-    part against the positions its first pass fed, whether it ran and its later passes together
-    (deep drafts happen at low load and shallow ones at high load, so pricing passes without the
-    rows would charge one for the other). The drafter runs no pass in a step where no request
-    drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass is priced apart:
-    drafting at all costs it, and verifying them. A pass is ~2 % of a step, below the step's jitter
+    part (`_fit_drafter`, catch-ups left out) against the positions its passes fed, whether it ran
+    and its later passes together (deep drafts happen at low load and shallow ones at high load, so
+    pricing passes without the rows would charge one for the other). The drafter runs no pass in a
+    step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
+    is priced apart: drafting at all costs it, and verifying them. A pass is ~2 % of a step, below the step's jitter
     but not below the drafter's. Each slope is shrunk towards a prior that stands when its
     covariate does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows +
     PRIOR_FIXED_ROWS through the local means (a fixed part worth that many rows: weights streamed
     once per step), the logit rows' extra towards `logit_share` of the rows', the verification
-    towards 0, the first pass's and the later passes' towards the average drafter time per pass.
+    towards 0, the drafter's towards its time ~ positions + PRIOR_FIXED_ROWS, the fixed part spread
+    over its passes.
     No cost is ever negative, so predicted time never falls as drafts are added. `StepFit` prices a
     row as if the drafter fed it (it does when every request drafts).
 

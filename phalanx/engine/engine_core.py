@@ -162,8 +162,9 @@ class EngineCore:
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
         tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
         `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
-        fed and `drafter_pass_rows` those its later passes fed, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
-        the tokens the step emitted. What tells where a step's time goes, per batch shape."""
+        fed and `drafter_pass_rows` those its later passes fed, `forward` / `drafter` the seconds in
+        the target's forward and in the drafter, `tokens` the tokens the step emitted. What tells
+        where a step's time goes, per batch shape."""
         assert self._step_log is not None
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "rows": sched.total_num_scheduled_tokens,

@@ -188,7 +188,8 @@ class StepFit(NamedTuple):
 
 
 # The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
-_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "pass_rows", "forward", "step")
+_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "pass_rows", "forward",
+           "step")
 
 
 class StepCostModel:
@@ -216,8 +217,8 @@ class StepCostModel:
     and its later passes together (deep drafts happen at low load and shallow ones at high load, so
     pricing passes without the rows would charge one for the other). The drafter runs no pass in a
     step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
-    is priced apart: drafting at all costs it, and verifying them. A pass is ~2 % of a step, below the step's jitter
-    but not below the drafter's. Each slope is shrunk towards a prior that stands when its
+    is priced apart: drafting at all costs it, and verifying them. A pass is ~2 % of a step, below
+    the step's jitter but not below the drafter's. Each slope is shrunk towards a prior that stands when its
     covariate does not vary (ridge, worth one pair of steps): the rows' towards time ~ rows +
     PRIOR_FIXED_ROWS through the local means (a fixed part worth that many rows: weights streamed
     once per step), the logit rows' extra towards `logit_share` of the rows', the verification
@@ -423,8 +424,8 @@ class StepCostModel:
         q = np.maximum(self._passes - 1.0, 0.0)
         bulk = full & (self._fed >= BULK_FEED) & (self._passes > 0)
         wb = recency[bulk]
-        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0)) / float(wb @ positions[bulk])
-                        if wb.sum() > 0 else drafter_row)
+        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0))
+                        / float(wb @ positions[bulk]) if wb.sum() > 0 else drafter_row)
         dv = v - np.roll(v, 1)
         if self._profile is not None:
             # The target's forward and lm_head: the profiled shape times one scale, the ratio of
@@ -493,13 +494,13 @@ class StepCostModel:
         in bulk (`StepFit.catch_up_row`), and it comes with the passes of the drafts that end the
         wait (the whole batch at its caps after a spell of none: the demo at 32 requests fed 800
         positions and ran two later passes in one step). Kept, what its positions cost beyond the
-        local slope went to those passes (16-18 ms a pass against ~5) and drafting stopped."""
+        local slope went to those passes (16-18 ms a pass against ~4) and drafting stopped."""
         d, passes = self._drafter, self._passes
         u = (passes > 0).astype(np.float64)  # the drafter ran (pass 1)
         q = np.maximum(passes - 1.0, 0.0)  # drafter passes after the first
         fed = self._fed + self._pass_rows
         kept = ~((self._fed - self._rows >= BULK_FEED) & (passes > 0))
-        if (w * kept).sum() > 0:  # (only catch-ups near here: they are all there is to go by)
+        if (w * kept).sum() > 0:  # (else only catch-ups near here: they are all there is to go by)
             w = w * kept / (w * kept).sum()
             wd = wd * kept * np.roll(kept, 1)
         md, mf, mu, mq = w @ d, w @ fed, w @ u, w @ q
@@ -511,7 +512,8 @@ class StepCostModel:
         # local means, the fixed part (PRIOR_FIXED_ROWS positions' worth) spread over its passes
         # alike. Priced at the average drafter time a pass instead, a later pass cost every position
         # the first fed: where no step near here ran one (the demo at 32 requests drafting one
-        # each, prompts fed alongside) that prior stood at 5-12 ms against ~2.5, and drafting stopped.
+        # each, prompts fed alongside) that prior stood at 5-12 ms against ~4 (~1.4 and 32 positions),
+        # and drafting stopped.
         drafter_row = max(md - idle_cost, 0.0) / (mf + PRIOR_FIXED_ROWS * mu) if mf + mu > 0 else 0.0
         first_cost = pass_cost = drafter_row * PRIOR_FIXED_ROWS * mu / (mu + mq) if mu + mq > 0 else 0.0
         total = wd.sum()
@@ -540,7 +542,8 @@ class StepCostModel:
                 first_cost, drafter_fixed = first_cost - cut, drafter_fixed + cut * mu
             if drafter_fixed < 0.0:
                 explained = md - drafter_fixed  # > md >= 0
-                drafter_row, first_cost, pass_cost = (x * md / explained for x in (drafter_row, first_cost, pass_cost))
+                drafter_row, first_cost, pass_cost = (
+                    x * md / explained for x in (drafter_row, first_cost, pass_cost))
             drafter_fixed = 0.0
         if drafter_fixed > idle_cost and mu > 0.0:
             # Nor is it more than the drafter takes in the steps near here that ran no pass: the

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from phalanx import LLM, SamplingParams
 from phalanx.spec_decode.proposer import ProposeBatch, later_pass_rows
@@ -70,8 +71,6 @@ def test_the_later_passes_rows_are_the_ones_the_drafter_ran(method: str, models:
 
 
 def _batch(num_drafts: list[int], pass_sizes: tuple[int, ...] | None = None) -> ProposeBatch:
-    import torch
-
     n = len(num_drafts)
     return ProposeBatch(req_ids=[str(i) for i in range(n)], token_ids=[[1]] * n, num_computed=[0] * n,
                         num_valid=[1] * n, num_drafts=num_drafts, block_table=torch.zeros(n, 1, dtype=torch.int64),

@@ -74,8 +74,8 @@ DRAFT_MIN_GAIN = 0.03
 PROFILE_ROWS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
 # The profile measures every grid point up to this many rows whatever it takes (decode batches of up
 # to 16 requests drafting 3 each); past it, once the profile has taken its time budget, it stops at
-# the next point where it may (`profile_may_stop_after`), and the curve beyond is its last segment
-# extended. On SmolLM2 and a slow AVX2-only CPU (~6 ms a row at 16 rows) the whole grid up to 256
+# the next point where it may (`profile_may_stop_after`), and the curve beyond is extended (`_interp`:
+# its last segment, or its upper half's slope where that is steeper). On SmolLM2 and a slow AVX2-only CPU (~6 ms a row at 16 rows) the whole grid up to 256
 # rows took 10-17 s of `phalanx serve`'s start-up; there a row costs the same at any batch size, so
 # the extension is what the rest of the grid would have said. On AMX the whole grid takes ~1 s.
 PROFILE_MIN_ROWS = 64
@@ -317,7 +317,7 @@ class StepCostModel:
 
     def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float) -> np.ndarray:
         """The profiled seconds of a target forward over `rows` rows, `logit_rows` of them through
-        the lm_head: linear between the measured points, along the last segment beyond them."""
+        the lm_head: linear between the measured points, extended beyond them (`_interp`)."""
         assert self._profile is not None
         r, fwd, head_rows, head = self._profile
         return _interp(rows, r, fwd) + _interp(logit_rows, head_rows, head)
@@ -670,13 +670,18 @@ class StepCostModel:
 
 
 def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Linear between the points (xs rising), along the last segment beyond them, along the first
-    below them, never below 0."""
+    """Linear between the points (xs rising), along the first segment below them, never below 0;
+    beyond them along the last segment or the slope over their upper half, the steeper. A profile
+    that ends early (a slow CPU: SmolLM2 on Zen 1 stops at 64 rows) may end in a flat segment, the
+    running maximum's after a noisy spike (319 ms at 49 rows and, measured lower, at 64): extended,
+    it priced every row past 64 at nothing, and 32 requests drafted 3 each, steps of ~950 ms
+    predicted at 560 (0.6x decoding without drafts)."""
     x = np.asarray(x, dtype=np.float64)
     if xs.size == 1:
         return np.maximum(ys[0] * x / max(xs[0], 1.0), 0.0)
     y = np.interp(x, xs, ys)
-    hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    half = min(int(np.searchsorted(xs, xs[-1] / 2)), xs.size - 2)
+    hi = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), (ys[-1] - ys[half]) / (xs[-1] - xs[half]))
     lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
     y = np.where(x > xs[-1], ys[-1] + hi * (x - xs[-1]), y)
     y = np.where(x < xs[0], ys[0] + lo * (x - xs[0]), y)

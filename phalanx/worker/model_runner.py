@@ -291,7 +291,7 @@ class ModelRunner:
                     fwd[r], head[r] = min(fwd.get(r, math.inf), t1 - t0), min(head.get(r, math.inf), t2 - t1)
                 if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
                         and profile_may_stop_after(grid, i)):
-                    grid = grid[: i + 1]  # the rest of the grid: the last segment extended
+                    grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)
                     break
         return grid, [fwd[r] for r in grid], [head[r] for r in grid]
 

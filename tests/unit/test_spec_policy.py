@@ -812,6 +812,25 @@ def test_the_work_around_the_forward_is_not_scaled_with_it() -> None:
     assert first == pytest.approx(0.0, abs=0.001)
 
 
+def test_a_profile_that_ends_flat_is_extended_at_its_upper_half_slope() -> None:
+    """SmolLM2 on Zen 1: the profile stops at 64 rows, and one run measured 49 rows at a spike
+    (319 ms) and 64 rows lower (the running maximum keeps 319): its last segment is flat. Extended
+    along it, 96 more rows cost nothing, and 32 requests accepting ~0.7 drafted 3 each (steps of
+    ~950 ms where it predicted 560). Past the grid a row costs at least the slope over its upper half
+    (32 -> 64 rows: 5.3 ms), and decoding without drafts stays the better choice."""
+    rows = [1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64]
+    fwd = [0.0248, 0.0255, 0.034, 0.0616, 0.1255, 0.1374, 0.1374, 0.1496, 0.1521, 0.1824, 0.2609, 0.3192, 0.30]
+    costs = StepCostModel()
+    costs.set_profile(rows, fwd, [0.0] * len(rows))
+    slope = (0.3192 - 0.1496) / 32
+    assert float(costs.shape(128, 0)) == pytest.approx(0.3192 + 64 * slope)
+    for _ in range(64):
+        costs.observe(32, 0.16, 0.0, 0, forward_seconds=0.15)
+    curve, first, pass_cost = costs.step_cost(32, 96)
+    accept = np.tile([0.72, 0.69, 0.67], (32, 1))
+    assert choose_draft_lengths(accept, np.full(32, 3), np.asarray(curve), pass_cost, first, 0.03).sum() == 0
+
+
 def test_a_bad_profile_is_refused() -> None:
     costs = StepCostModel()
     with pytest.raises(ValueError, match="rise"):

@@ -416,16 +416,7 @@ class StepCostModel:
         if total > 0:
             wd = wd / total
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
-        drafter_row, first_cost, pass_cost, drafter_fixed = self._fit_drafter(w, wd)
-        # A catch-up at the drafter's cost per position in bulk (its later passes' overhead taken
-        # out): that cost does not depend on the target's batch, so every bulk step in the window
-        # counts.
-        positions = self._fed + self._pass_rows
-        q = np.maximum(self._passes - 1.0, 0.0)
-        bulk = full & (self._fed >= BULK_FEED) & (self._passes > 0)
-        wb = recency[bulk]
-        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0))
-                        / float(wb @ positions[bulk]) if wb.sum() > 0 else drafter_row)
+        drafter_row, first_cost, pass_cost, drafter_fixed, catch_up_row = self._fit_drafter(w, wd, recency)
         dv = v - np.roll(v, 1)
         if self._profile is not None:
             # The target's forward and lm_head: the profiled shape times one scale, the ratio of
@@ -480,9 +471,11 @@ class StepCostModel:
         return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost),
                        float(verify_cost), 0.0, catch_up_row)
 
-    def _fit_drafter(self, w: np.ndarray, wd: np.ndarray) -> tuple[float, float, float, float]:
+    def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray
+                     ) -> tuple[float, float, float, float, float]:
         """The drafter's part of the local fit (`w`: the steps' weights, `wd`: the step-to-step
-        pairs'): (seconds a position fed, its first pass, each later pass, its fixed part), from
+        pairs', `recency`: the steps' recency alone): (seconds a position fed, its first pass, each
+        later pass, its fixed part, a caught-up position's `StepFit.catch_up_row`), from
         its own timer: a pass is ~2 % of a step, far below the step's jitter, but not below the
         drafter's.
 
@@ -552,7 +545,14 @@ class StepCostModel:
             # would price it into every step without drafts.
             first_cost += (drafter_fixed - idle_cost) / mu
             drafter_fixed = idle_cost
-        return float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed)
+        # A catch-up at the drafter's cost per position in bulk (its later passes' overhead taken
+        # out): that cost does not depend on the target's batch, so every bulk step in the window
+        # counts.
+        bulk = (recency > 0) & (self._fed >= BULK_FEED) & (passes > 0)
+        wb = recency[bulk]
+        catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0))
+                        / float(wb @ fed[bulk]) if wb.sum() > 0 else drafter_row)
+        return float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed), catch_up_row
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
         """The fit at the grid point nearest `rows` (None where no step was measured within its cut,

@@ -148,10 +148,10 @@ class DraftModelProposer:
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
         self.rows_fed = sum(len(f.token_ids) for f in feeds)
-        chains = self._chains(batch)
-        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         if passes == 0:
             return drafts
+        chains = self._chains(batch)
+        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call (bitwise the same)
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(

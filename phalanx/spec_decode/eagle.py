@@ -170,10 +170,10 @@ class EagleProposer:
         passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
         self.passes_run = passes
         self.rows_fed = sum(len(f.token_ids) for f in feeds)
-        chains = self._chains(batch)
-        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         if passes == 0:
             return drafts
+        chains = self._chains(batch)
+        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
         raw = self._raw(batch, fed_rows)
         if any(w is not None for w in kept):  # each caught-up request's waiting rows go first
             pieces, at = [], 0

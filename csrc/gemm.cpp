@@ -466,7 +466,10 @@ void configure_amx_tiles(const int (&rows)[8]) {
     cfg.rows[t] = static_cast<uint8_t>(rows[t]);
     cfg.colsb[t] = rows[t] ? 64 : 0;
   }
-  _tile_loadconfig(&cfg);
+  // LDTILECFG with the whole 64-byte block as its memory operand. GCC 12's _tile_loadconfig names
+  // only its first 8 bytes, so the stores of the rows and column widths above were removed as dead
+  // and the instruction loaded zero-sized tiles: the first tile instruction then faulted (SIGILL).
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 void release_amx_tiles() { _tile_release(); }

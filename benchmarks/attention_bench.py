@@ -3,7 +3,10 @@ head_dim 64, bf16, 16-token blocks): long prefills, a prefill chunk after a cach
 speculative verification grids. Prints ms per call, GFLOP/s (4 x heads x head_dim per visible key)
 and a digest of the output, so two builds of the kernel can be compared for identical results.
 
-    python benchmarks/attention_bench.py [--threads 2] [--isa auto|amx|avx512_bf16|avx2]
+    python benchmarks/attention_bench.py [--threads 2] [--isa auto|amx|avx512_bf16|avx2] [--sdpa]
+
+`--sdpa` also times PyTorch's scaled_dot_product_attention (its flash kernel on the CPU; causal,
+contiguous bf16 tensors, not batch-invariant) on the fresh prefills, in the same run.
 
 `--isa` picks the path as ``PHALANX_CPU_ISA`` does for a model (auto: the best; amx: bf16 on AMX
 tiles; the others: the register-tiled task).
@@ -42,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isa", default="auto", choices=["auto", *cpu_ops.GEMM_ISAS])
+    ap.add_argument("--sdpa", action="store_true", help="time SDPA on the fresh prefills too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -60,6 +64,18 @@ def main() -> None:
         flops = 4 * H * D * int(visible.sum())
         digest = hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
         print(f"{name:22s} {dt * 1e3:9.3f} ms  {flops / dt / 1e9:6.1f} GFLOP/s  {digest}", flush=True)
+        if args.sdpa and seqs == 1 and queries == keys:
+            qs = q.transpose(1, 2).contiguous()  # [1, H, T, D]
+            ks = torch.randn(1, KVH, keys, D).bfloat16()
+            vs = torch.randn(1, KVH, keys, D).bfloat16()
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            sdpa(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
+            start = time.perf_counter()
+            for _ in range(reps):
+                sdpa(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
+            ds = (time.perf_counter() - start) / reps
+            print(f"{'  SDPA (flash)':22s} {ds * 1e3:9.3f} ms  {flops / ds / 1e9:6.1f} GFLOP/s  "
+                  f"(this kernel / SDPA: {dt / ds:.2f}x the time)", flush=True)
 
 
 if __name__ == "__main__":

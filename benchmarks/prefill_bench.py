@@ -4,7 +4,13 @@ prompt set, each run `--repeats` times, and the output tokens/s of `--batch` 128
 decoding 128 tokens at once. Run two builds alternately (for example a worktree of an older commit
 on PYTHONPATH, with its own PHALANX_KERNEL_CACHE) to compare them.
 
-    python benchmarks/prefill_bench.py --model smollm2-135m-instruct
+With `--gemm-rate`, each prompt set's prefill is also put against oneDNN's bf16 GEMM on the model's
+own linear shapes at the prompt's token count (`torch.nn.functional.linear`, 2 threads; AMX tiles
+where the CPU has them), measured between the prefill runs so both see the same machine: the
+prefill's FLOP rate (linears 2 x their weights' elements a token, attention 4 x heads x head_dim a
+visible key) and its fraction of that GEMM rate (best runs of each).
+
+    python benchmarks/prefill_bench.py --model smollm2-135m-instruct --gemm-rate --batch 0
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from phalanx import LLM, SamplingParams
 
@@ -25,6 +33,31 @@ def prompts(path: Path, n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in f][:n]
 
 
+def linear_shapes(m) -> list[tuple[int, int]]:  # noqa: ANN001 - ModelConfig
+    """(out, in) of one decoder layer's linears (dense models)."""
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+    return [(qkv, m.hidden_size), (m.hidden_size, m.num_heads * m.head_dim),
+            (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)]
+
+
+def prefill_flop(m, tokens: int) -> float:  # noqa: ANN001 - ModelConfig
+    linears = 2 * tokens * sum(o * i for o, i in linear_shapes(m)) * m.num_layers
+    attention = 4 * m.num_heads * m.head_dim * (tokens * (tokens + 1) // 2) * m.num_layers
+    return float(linears + attention)
+
+
+def gemm_seconds(m, tokens: int, weights: list) -> float:  # noqa: ANN001 - ModelConfig
+    """One layer's linears as oneDNN bf16 GEMMs at `tokens` rows: the fastest of 5 runs."""
+    x = {i: torch.randn(tokens, i).bfloat16() for _, i in linear_shapes(m)}
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -33,21 +66,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each prompt")
     ap.add_argument("--batch", type=int, default=32, help="128-token prompts decoding together (0: skip)")
     ap.add_argument("--max-model-len", type=int, default=2304)
+    ap.add_argument("--gemm-rate", action="store_true",
+                    help="also measure oneDNN's bf16 GEMM rate on the model's linear shapes (see above)")
     args = ap.parse_args()
     llm = LLM(args.model, max_model_len=args.max_model_len, enable_prefix_caching=False)
     one = SamplingParams(temperature=0, max_tokens=1)
     for name in args.sets.split(","):
         ps = prompts(DATA / f"text_prompts_{name}.jsonl", args.prompts)
         llm.generate(ps[:1], one, use_tqdm=False)  # warm-up
-        times = []
-        for p in ps:
+        tokens = [len(llm.tokenizer.encode(p)) for p in ps]
+        m = llm.config.model
+        weights = [torch.randn(o, i).bfloat16() for o, i in linear_shapes(m)]
+        times, rates, gemm = [], [], []
+        for p, n in zip(ps, tokens):
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 llm.generate([p], one, use_tqdm=False)
                 times.append(time.perf_counter() - start)
-        tokens = [len(llm.tokenizer.encode(p)) for p in ps]
+                rates.append(prefill_flop(m, n) / times[-1])
+                if args.gemm_rate:
+                    g = gemm_seconds(m, n, weights)
+                    gemm.append(2 * n * sum(w.numel() for w in weights) / g)
         print(f"prefill, text_prompts_{name} ({min(tokens)}-{max(tokens)} tokens): median "
               f"{1e3 * statistics.median(times):.0f} ms, min {1e3 * min(times):.0f} ms", flush=True)
+        if args.gemm_rate:
+            print(f"  prefill {max(rates) / 1e12:.2f} TFLOP/s (median {statistics.median(rates) / 1e12:.2f}); "
+                  f"oneDNN bf16 GEMM on its linears {max(gemm) / 1e12:.2f} TFLOP/s (median "
+                  f"{statistics.median(gemm) / 1e12:.2f}); prefill / GEMM {max(rates) / max(gemm):.2f} "
+                  f"(medians {statistics.median(rates) / statistics.median(gemm):.2f})", flush=True)
     if args.batch:
         ps = prompts(DATA / "text_prompts_128.jsonl", args.batch)
         sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)

@@ -233,15 +233,18 @@ constexpr bool kAmxAttention = true;
 // The order. Scores: for key l and query row r, acc = 0, then per step s of 32 head elements
 // acc = acc + (even + odd), where even sums q[r, 2p] k[l, 2p] one product at a time in pair order
 // p = 16 s .. 16 s + 15 from zero and odd the odd elements' likewise (one TDPBF16PS, 16 keys x 16
-// rows); then times the scale in float32. softmax_row as the other tasks. Values: each row's
-// probabilities rounded to bf16 (nearest even, denormals to zero), then for output element d,
-// acc = 0 and per step of 32 keys acc = acc + (even + odd) over the keys' pairs (2j, 2j + 1) the
-// same way; keys a row does not see weigh exactly zero, so a step past its last key adds zero.
-// Nothing depends on the other rows in a tile, or on how many there are: a query's result is the
-// same decoding or in a prompt. Denormal inputs and results count as zero (the tiles' DAZ / FTZ).
-// Unlike the register-tiled task's float32 probabilities, these are bf16 (as SDPA's flash kernel
-// and vLLM's CPU attention round them): an AMX CPU gives other bits than the other paths, as its
-// GEMM does (PHALANX_CPU_ISA=avx512_bf16 runs the register-tiled task there).
+// rows). Softmax (flash attention's split): m = the row's largest score, e_l = exp2_amx_ps(max(
+// fma(s_l, c, -(m * c)), -125)) with c = scale * log2(e) in float32, their sum over 16 lanes (key l
+// in lane l % 16, the groups of 16 in order, keys past the row's limit zero) then
+// _mm512_reduce_add_ps. Values: each e rounded to bf16 (nearest even, denormals to zero), then for
+// output element d, acc = 0 and per step of 32 keys acc = acc + (even + odd) over the keys' pairs
+// (2j, 2j + 1) the same way; keys a row does not see weigh exactly zero, so a step past its last
+// key adds zero; the output is acc * (1 / sum). Nothing depends on the other rows in a tile, or on
+// how many there are: a query's result is the same decoding or in a prompt. Denormal inputs and
+// tile results count as zero (the tiles' DAZ / FTZ). Unlike the register-tiled task's float32
+// probabilities and Cephes exps, these are bf16 (as SDPA's flash kernel and vLLM's CPU attention
+// round them): an AMX CPU gives other bits than the other paths, as its GEMM does
+// (PHALANX_CPU_ISA=avx512_bf16 runs the register-tiled task there).
 //
 // Measured (benchmarks/attention_bench.py, SmolLM2's shapes, 2 threads, Xeon with AMX): a
 // 1,930-token prefill 26.8 -> 10.0 ms, 512 tokens 2.01 -> 0.88, a 256-token chunk after 768 cached
@@ -272,6 +275,27 @@ inline void transpose16x16(const __m512i* in, __m512i* out) {
   }
 }
 
+// Lanes [0, n) of 16 (n <= 0: none, n >= 16: all).
+inline __mmask16 tail_mask(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
+}
+
+// 2^t for t in [-125, 1]: t = n + f with n the nearest integer (ties to even), 2^f by a degree-5
+// polynomial on [-0.5, 0.5] (Horner with FMAs; within 4 ulp), times 2^n exactly (VSCALEFPS). Ten
+// instructions for 16 exps against Cephes' ~20 (exp_nonpositive_ps): the probabilities it feeds are
+// rounded to bf16 anyway.
+inline __m512 exp2_amx_ps(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3276470126584172e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961325169e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713464617729e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+}
+
 template <typename O>
 void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* const* krow,
                      const c10::BFloat16* const* vrow, const int64_t* limit, int64_t rows, int64_t len,
@@ -286,9 +310,11 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
   thread_local std::vector<uint16_t> qa, pb;
   thread_local std::vector<uint32_t> kt, vt;
   thread_local std::vector<float> sc;
-  qa.assign(groups * 16 * head_dim, uint16_t{0});
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(qa.data() + r * head_dim, qrow[r], head_dim * 2);
-  kt.resize(steps * 256);
+  if (groups > 1) {  // a prompt's queries, staged as A tiles (decoding reads them as B tiles below)
+    qa.assign(groups * 16 * head_dim, uint16_t{0});
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(qa.data() + r * head_dim, qrow[r], head_dim * 2);
+    kt.resize(steps * 256);
+  }
   sc.resize(groups * 16 * ls);
   thread_local std::vector<int64_t> glen;  // per row group: the most keys a row of it sees
   glen.assign(groups, 0);
@@ -385,23 +411,51 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
       if (ng > 3) _tile_stored(3, out + 48 * ls, ls * 4);
     }
   }
-  // softmax_row's steps, the scale and the max in one pass, the normalisation left to the
-  // probabilities' rounding to bf16 below (p * inv there: the same product)
-  const __m512 vscale = _mm512_set1_ps(scale);
-  thread_local std::vector<float> inv;
-  inv.assign(rows, 0.f);
+  // The softmax, as flash attention splits it: per row the raw scores' maximum m; then, 32 keys at a
+  // time, e = 2^t with t = max(fma(s, c, -(m c)), -125) and c = scale * log2(e) (exp2_amx_ps), whose
+  // float32 sum (16 lanes over the key groups in order, then their reduction) normalises the row's
+  // output after the value tiles; e itself is rounded to bf16 for them. Keys past a row's limit
+  // weigh zero. A score is read twice (its row's maximum, its exp), never rewritten.
+  const float c = scale * 1.44269504088896341f;
+  const __m512 vc = _mm512_set1_ps(c), floor2 = _mm512_set1_ps(-125.f);
+  thread_local std::vector<float> bias, inv;
+  bias.assign(rows, 0.f);
+  inv.assign(rows, 0.f);  // a row without keys: its output stays zero
   for (int64_t r = 0; r < rows; ++r) {
-    if (limit[r] <= 0) continue;  // no key: its probabilities stay zero
-    float* row = sc.data() + (r / 16) * 16 * ls + (r % 16) * ls;
+    if (limit[r] <= 0) continue;
+    const float* row = sc.data() + (r / 16) * 16 * ls + (r % 16) * ls;
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t l = 0; l < limit[r]; l += 16) {
-      const __mmask16 m = static_cast<__mmask16>(limit[r] - l >= 16 ? 0xFFFFu : (1u << (limit[r] - l)) - 1u);
-      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + l), vscale);
-      _mm512_mask_storeu_ps(row + l, m, x);
-      vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
-    }
-    inv[r] = 1.f / exp_sum_row(row, limit[r], _mm512_reduce_max_ps(vmax));
+    for (int64_t l = 0; l < limit[r]; l += 16)
+      vmax = _mm512_mask_max_ps(vmax, tail_mask(limit[r] - l), vmax, _mm512_loadu_ps(row + l));
+    bias[r] = -(_mm512_reduce_max_ps(vmax) * c);
   }
+  // a row group's bf16 exps, [16 rows][its keys rounded up to 32]: the A tiles of the value products
+  auto probabilities = [&](int64_t g, int64_t lg, uint16_t* dst) {
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = g * 16 + i;
+      const int64_t seen = r < rows ? limit[r] : 0;
+      uint16_t* out = dst + i * lg;
+      if (seen <= 0) {
+        std::memset(out, 0, lg * 2);
+        continue;
+      }
+      const float* row = sc.data() + r * ls;  // the row groups lie one after another
+      const __m512 vb = _mm512_set1_ps(bias[r]);
+      __m512 vsum = _mm512_setzero_ps();
+      int64_t k0 = 0;
+      for (; k0 < seen; k0 += 32) {
+        const __mmask16 m0 = tail_mask(seen - k0), m1 = tail_mask(seen - k0 - 16);
+        const __m512 e0 = _mm512_maskz_mov_ps(
+            m0, exp2_amx_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, row + k0), vc, vb), floor2)));
+        const __m512 e1 = _mm512_maskz_mov_ps(
+            m1, exp2_amx_ps(_mm512_max_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, row + k0 + 16), vc, vb), floor2)));
+        vsum = _mm512_add_ps(_mm512_add_ps(vsum, e0), e1);
+        _mm512_storeu_si512(out + k0, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      if (k0 < lg) std::memset(out + k0, 0, (lg - k0) * 2);
+      inv[r] = 1.f / _mm512_reduce_add_ps(vsum);
+    }
+  };
   // the values' key pairs: element 2e of a tile row is key 2j's element, 2e + 1 key 2j + 1's;
   // `stage` writes 32-key step ks's tiles [t0, t0 + nt) at dst (256 words a tile), keys past `len` zero
   alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -428,29 +482,20 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
   } else {
     vt.resize(4 * 256);
   }
-  pb.resize(16 * 32);
   alignas(64) float acc[16][64];
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t r0 = g * 16, nr = std::min<int64_t>(16, rows - r0);
+    const int64_t lg = (glen[g] + 31) / 32 * 32;
+    pb.resize(16 * std::max<int64_t>(lg, 32));
+    probabilities(g, lg, pb.data());
     for (int64_t t0 = 0; t0 < dtiles; t0 += 4) {  // up to 4 accumulator tiles (64 elements) at a time
       const int64_t nt = std::min<int64_t>(4, dtiles - t0);
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      std::fill(pb.begin(), pb.end(), uint16_t{0});
       for (int64_t k0 = 0; k0 < glen[g]; k0 += 32) {
-        for (int64_t i = 0; i < nr; ++i) {  // the row's probabilities, zero past its keys
-          const float* p = sc.data() + r0 * ls + i * ls + k0;
-          const int64_t seen = std::clamp<int64_t>(limit[r0 + i] - k0, 0, 32);
-          const __mmask16 m0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFFu : (1u << seen) - 1u);
-          const __mmask16 m1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFFu : seen > 16 ? (1u << (seen - 16)) - 1u : 0u);
-          const __m512 vi = _mm512_set1_ps(inv[r0 + i]);
-          const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, p + 16), vi),
-                                                    _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, p), vi));
-          _mm512_storeu_si512(pb.data() + i * 32, (__m512i)pair);
-        }
-        _tile_loadd(4, pb.data(), 64);
+        _tile_loadd(4, pb.data() + k0, lg * 2);
         const uint32_t* b = vt.data() + ((k0 / 32) * dtiles + t0) * 256;
         if (groups == 1) {
           stage(k0 / 32, t0, nt, vt.data());
@@ -475,7 +520,11 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
       _tile_stored(1, &acc[0][16], 256);
       _tile_stored(2, &acc[0][32], 256);
       _tile_stored(3, &acc[0][48], 256);
-      for (int64_t i = 0; i < nr; ++i) from_float(acc[i], orow[r0 + i] + 16 * t0, 16 * nt);
+      for (int64_t i = 0; i < nr; ++i) {  // the softmax's normalisation
+        const __m512 vi = _mm512_set1_ps(inv[r0 + i]);
+        for (int64_t d = 0; d < 16 * nt; d += 16) _mm512_store_ps(acc[i] + d, _mm512_mul_ps(_mm512_load_ps(acc[i] + d), vi));
+        from_float(acc[i], orow[r0 + i] + 16 * t0, 16 * nt);
+      }
     }
   }
 }
@@ -552,12 +601,12 @@ void decode_attention_impl(const T* q, const T* k_cache, const T* v_cache, const
             qrow[r] = q + ((s * qlen + qi) * num_heads + head) * head_dim;
             orow[r] = out + ((s * qlen + qi) * num_heads + head) * head_dim;
           }
-          scores.resize(rows * std::max<int64_t>(len, 1));
           if (amx) {
             decode_task_amx<O>(qrow.data(), krow.data(), vrow.data(), limit.data(), rows, len, head_dim, scale,
                                orow.data());
             continue;
           }
+          scores.resize(rows * std::max<int64_t>(len, 1));
           using Task = void (*)(const T* const*, const T* const*, const T* const*, const int64_t*, int64_t,
                                 int64_t, float, float*, O* const*);
           static constexpr Task tasks[] = {nullptr, nullptr, decode_task_bf16<2, O>, nullptr, decode_task_bf16<4, O>,

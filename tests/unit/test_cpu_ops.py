@@ -207,11 +207,39 @@ def _softmax_row(scores: np.ndarray) -> np.ndarray:
     return e * (f(1.0) / total)
 
 
+def _exp2_amx(t: np.ndarray) -> np.ndarray:
+    """attention.cpp's exp2_amx_ps op for op: n = t rounded to nearest even, a degree-5 polynomial of
+    t - n by FMAs, times 2^n exactly."""
+    f = np.float32
+    n = np.rint(t).astype(f)
+    r = (t - n).astype(f)
+    y = np.full_like(t, f(1.3276470126584172e-3))
+    for c in (9.675540961325169e-3, 5.550713464617729e-2, 2.4022120237350464e-1, 6.931469440460205e-1,
+              1.0000001192092896):
+        y = _fma(y, r, np.full_like(t, f(c)))
+    return np.ldexp(y, n.astype(np.int32)).astype(f)
+
+
+def _lane_sum(e: np.ndarray) -> np.float32:
+    """16 lanes over the groups of 16 in order (a short last group zero-padded), then
+    _mm512_reduce_add_ps's tree."""
+    f = np.float32
+    padded = np.zeros(-(-e.shape[0] // 16) * 16, f)
+    padded[: e.shape[0]] = e
+    vsum = np.zeros(16, f)
+    for b in range(0, padded.shape[0], 16):
+        vsum = vsum + padded[b : b + 16]
+    t3 = vsum[8:] + vsum[:8]
+    t6 = t3[4:] + t3[:4]
+    return (t6[0] + t6[2]) + (t6[1] + t6[3])
+
+
 def _amx_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
     """One query row of the AMX task (csrc/attention.cpp) in numpy float32: per 32-element step of
     the head (scores) or 32-key step (values) the even and the odd elements' products each summed
-    from zero in pair order, then acc + (even + odd), under DAZ / FTZ; the probabilities rounded to
-    bf16 in between (nearest even, denormals to zero)."""
+    from zero in pair order, then acc + (even + odd), under DAZ / FTZ; the softmax split as flash
+    attention splits it (exps of the raw scores by exp2_amx_ps, rounded to bf16 for the value tiles,
+    their float32 sum dividing the output)."""
     f = np.float32
     d, n = q.shape[0], keys.shape[0]
     qz, kz = _ftz(q), _ftz(keys)
@@ -223,8 +251,12 @@ def _amx_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) 
             even = _ftz(even + kz[:, e] * qz[e])
             odd = _ftz(odd + kz[:, e + 1] * qz[e + 1])
         acc = _ftz(acc + _ftz(even + odd))
-    probs = _softmax_row(acc * f(scale))
-    pb = _bf16_round_ftz(probs)  # as VCVTNE2PS2BF16 rounds
+    c = f(scale) * f(1.44269504088896341)
+    bias = -(acc.max() * c)
+    t = np.maximum(_fma(acc, np.full(n, c, f), np.full(n, bias, f)), f(-125.0))
+    exps = _exp2_amx(t)
+    inv = f(1.0) / _lane_sum(exps)
+    pb = _bf16_round_ftz(exps)  # as VCVTNE2PS2BF16 rounds
     vz = _ftz(values)
     out = np.zeros(d, f)
     for k0 in range(0, n, 32):
@@ -234,7 +266,7 @@ def _amx_row(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) 
             if j + 1 < n:
                 odd = _ftz(odd + pb[j + 1] * vz[j + 1])
         out = _ftz(out + _ftz(even + odd))
-    return out
+    return (out * inv).astype(f)
 
 
 def _tiled_reference(q, cache, table, visible, scale, row=None) -> torch.Tensor:

@@ -66,8 +66,9 @@ def main() -> None:
         print(f"{name:22s} {dt * 1e3:9.3f} ms  {flops / dt / 1e9:6.1f} GFLOP/s  {digest}", flush=True)
         if args.sdpa and seqs == 1 and queries == keys:
             qs = q.transpose(1, 2).contiguous()  # [1, H, T, D]
-            ks = torch.randn(1, KVH, keys, D).bfloat16()
-            vs = torch.randn(1, KVH, keys, D).bfloat16()
+            own = torch.Generator().manual_seed(1)  # the global stream stays as without --sdpa (same digests)
+            ks = torch.randn(1, KVH, keys, D, generator=own).bfloat16()
+            vs = torch.randn(1, KVH, keys, D, generator=own).bfloat16()
             sdpa = torch.nn.functional.scaled_dot_product_attention
             sdpa(qs, ks, vs, is_causal=True, scale=0.125, enable_gqa=True)
             start = time.perf_counter()

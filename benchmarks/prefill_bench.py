@@ -6,9 +6,9 @@ on PYTHONPATH, with its own PHALANX_KERNEL_CACHE) to compare them.
 
 With `--gemm-rate`, each prompt set's prefill is also put against oneDNN's bf16 GEMM on the model's
 own linear shapes at the prompt's token count (`torch.nn.functional.linear`, 2 threads; AMX tiles
-where the CPU has them), measured between the prefill runs so both see the same machine: the
-prefill's FLOP rate (linears 2 x their weights' elements a token, attention 4 x heads x head_dim a
-visible key) and its fraction of that GEMM rate (best runs of each).
+where the CPU has them): after each prefill run, a whole forward's linears as one timed span, so
+both see the same machine. Printed: the prefill's FLOP rate (linears 2 x their weights' elements a
+token, attention 4 x heads x head_dim a visible key), the GEMMs' rate, and each run's ratio.
 
     python benchmarks/prefill_bench.py --model smollm2-135m-instruct --gemm-rate --batch 0
 """
@@ -47,15 +47,16 @@ def prefill_flop(m, tokens: int) -> float:  # noqa: ANN001 - ModelConfig
 
 
 def gemm_seconds(m, tokens: int, weights: list) -> float:  # noqa: ANN001 - ModelConfig
-    """One layer's linears as oneDNN bf16 GEMMs at `tokens` rows: the fastest of 5 runs."""
+    """A whole forward's linears (every layer's) as oneDNN bf16 GEMMs at `tokens` rows, timed as
+    one span like a prefill (a best of short bursts would catch this VM's fast moments only)."""
     x = {i: torch.randn(tokens, i).bfloat16() for _, i in linear_shapes(m)}
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
+    for w in weights:  # warm
+        torch.nn.functional.linear(x[w.shape[1]], w)
+    start = time.perf_counter()
+    for _ in range(m.num_layers):
         for w in weights:
             torch.nn.functional.linear(x[w.shape[1]], w)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -86,14 +87,15 @@ def main() -> None:
                 rates.append(prefill_flop(m, n) / times[-1])
                 if args.gemm_rate:
                     g = gemm_seconds(m, n, weights)
-                    gemm.append(2 * n * sum(w.numel() for w in weights) / g)
+                    gemm.append(2 * n * sum(w.numel() for w in weights) * m.num_layers / g)
         print(f"prefill, text_prompts_{name} ({min(tokens)}-{max(tokens)} tokens): median "
               f"{1e3 * statistics.median(times):.0f} ms, min {1e3 * min(times):.0f} ms", flush=True)
         if args.gemm_rate:
-            print(f"  prefill {max(rates) / 1e12:.2f} TFLOP/s (median {statistics.median(rates) / 1e12:.2f}); "
-                  f"oneDNN bf16 GEMM on its linears {max(gemm) / 1e12:.2f} TFLOP/s (median "
-                  f"{statistics.median(gemm) / 1e12:.2f}); prefill / GEMM {max(rates) / max(gemm):.2f} "
-                  f"(medians {statistics.median(rates) / statistics.median(gemm):.2f})", flush=True)
+            paired = [r / g for r, g in zip(rates, gemm)]
+            print(f"  prefill {statistics.median(rates) / 1e12:.2f} TFLOP/s, oneDNN bf16 GEMM on its linears "
+                  f"{statistics.median(gemm) / 1e12:.2f} TFLOP/s (medians); prefill / GEMM, each run against "
+                  f"the GEMMs after it: median {statistics.median(paired):.2f} "
+                  f"({min(paired):.2f}-{max(paired):.2f})", flush=True)
     if args.batch:
         ps = prompts(DATA / "text_prompts_128.jsonl", args.batch)
         sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)

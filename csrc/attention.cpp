@@ -246,10 +246,11 @@ constexpr bool kAmxAttention = true;
 // round them): an AMX CPU gives other bits than the other paths, as its GEMM does
 // (PHALANX_CPU_ISA=avx512_bf16 runs the register-tiled task there).
 //
-// Measured (benchmarks/attention_bench.py, SmolLM2's shapes, 2 threads, Xeon with AMX): a
-// 1,930-token prefill 26.8 -> 10.0 ms, 512 tokens 2.01 -> 0.88, a 256-token chunk after 768 cached
-// 3.24 -> 1.23, decoding 16 requests at 600 keys 0.292 -> 0.278, verifying 8 x 4 at 300 keys
-// 0.162 -> 0.106 against the register-tiled task.
+// Measured (benchmarks/attention_bench.py, SmolLM2's shapes, 2 threads, a Xeon with AMX) against
+// the register-tiled task: a 1,930-token prefill 51.4 -> 13.3 ms, 512 tokens 3.55 -> 1.19, a
+// 256-token chunk after 768 cached 6.06 -> 1.67, verifying 8 x 4 at 300 keys 0.33 -> 0.16;
+// decoding (memory-bound) about level. The flash-style softmax took the prefill from 20.5 ms (Cephes
+// exps, a scaling pass, float32 probabilities written back) and put it under SDPA's 16.8-18.9.
 
 // A 16 x 16 matrix of 32-bit elements: rows in[0..15] -> columns out[0..15].
 inline void transpose16x16(const __m512i* in, __m512i* out) {

@@ -60,8 +60,9 @@ def paged_attention(
         if kernel is not None and seq.block_ids is not None:
             # The decode kernel takes any query count: keys and values from the paged cache (this
             # chunk's already written), causal through `visible`; each query's result is the one it
-            # would get decoding (SDPA's flash kernel: 2.5-3.7x slower on 16-256-token prompts on an
-            # AVX512-BF16 CPU, 1.2-1.6x faster than the AMX task on an AMX one, not batch-invariant).
+            # would get decoding (SDPA's flash kernel, not batch-invariant: 2.5-3.7x slower on
+            # 16-256-token prompts on an AVX512-BF16 CPU; on an AMX one 1.3-1.7x the AMX task's time
+            # on 512-1,930-token prompts).
             assert seq.visible is not None
             grid = q[seq.start : seq.end].unsqueeze(0)  # [1, q, H, D]
             out[seq.start : seq.end] = cpu_ops.decode_attention(

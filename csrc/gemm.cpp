@@ -42,6 +42,7 @@
 #include <unistd.h>
 #include <xmmintrin.h>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "gemm.h"
 
@@ -302,14 +303,6 @@ bool amx_granted() {
 
 // The tile registers: tmm0-3 the accumulators (row tile i, column block j) = tmm(2 i + j), tmm4-5 the
 // two row tiles of x (16 rows x 32 bf16 each), tmm6-7 two blocks' weights (16 pairs x 16 columns).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // This thread's tiles for row tiles of r0 and r1 rows (r1 0: one row tile).
 void configure_amx(int r0, int r1) {
   const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
@@ -460,17 +453,7 @@ bool amx_tiles_granted() { return amx_granted(); }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__linux__)
-void configure_amx_tiles(const int (&rows)[8]) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-    cfg.colsb[t] = rows[t] ? 64 : 0;
-  }
-  // LDTILECFG with the whole 64-byte block as its memory operand. GCC 12's _tile_loadconfig names
-  // only its first 8 bytes, so the stores of the rows and column widths above were removed as dead
-  // and the instruction loaded zero-sized tiles: the first tile instruction then faulted (SIGILL).
-  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
-}
+void configure_amx_tiles(const int (&rows)[8]) { load_amx_tile_config(rows); }
 
 void release_amx_tiles() { _tile_release(); }
 #else

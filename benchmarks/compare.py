@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,7 @@ def phalanx_server(args: argparse.Namespace, spec: dict | None, dp: int, log: Pa
            "-dp", str(dp), "--log-level", "warning"]
     if args.phalanx_threads is not None:
         cmd += ["--num-threads", str(args.phalanx_threads)]
+    cmd += shlex.split(args.phalanx_args)
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     return Server(cmd, dict(os.environ), log, args.start_timeout)
@@ -501,6 +503,9 @@ def main() -> int:
                         "'0-1' or '0|1'")
     r.add_argument("--phalanx-threads", type=int, default=None,
                    help="--num-threads for phalanx serve (default: its own, one core reserved for the API server)")
+    r.add_argument("--phalanx-args", default="",
+                   help="more flags for phalanx serve, one string (e.g. '--no-enable-prefix-caching' for "
+                        "prefill times that a repeated prompt cannot shorten)")
     r.add_argument("--vllm-preload", default="auto",
                    help="LD_PRELOAD for vLLM: 'auto' (tcmalloc if installed + libiomp5.so from its venv, as its "
                         "CPU backend asks), 'none', or ':'-separated paths")

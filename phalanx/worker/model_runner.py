@@ -248,7 +248,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_curve(
-        self, max_rows: int, context: int = 64, repeats: int = 3, budget_seconds: float = 3.0
+        self, max_rows: int, context: int = 64, repeats: int = 3, budget_seconds: float = 3.0, retries: int = 2
     ) -> tuple[list[int], list[float], list[float]]:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
         ones) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
@@ -256,7 +256,8 @@ class ModelRunner:
         rows; rounds after the first only while the profile has taken under `budget_seconds` (SmolLM2
         on 2 AMX cores: 3 rounds, ~2.6 s), and where the first round runs past it (a slow CPU), the
         grid ends at the next point where it may (``adaptive.profile_may_stop_after``: at least
-        64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid).
+        64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid). A point
+        that took longer than the next larger one is measured again, up to `retries` times.
         Single runs are not to be trusted where the forward is fast: a run
         whose buffers get fresh pages from the kernel pays for faulting them in (~9 us a 4 KB page
         on a VM here: the lm_head over 192 rows took 45 ms instead of 6 in most calls), and glibc's
@@ -272,6 +273,11 @@ class ModelRunner:
         grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
         fwd: dict[int, float] = {}
         head: dict[int, float] = {}
+
+        def measure(r: int) -> None:
+            t_fwd, t_head = self._time_rows(r, nb, context)
+            fwd[r], head[r] = min(fwd.get(r, math.inf), t_fwd), min(head.get(r, math.inf), t_head)
+
         start = time.perf_counter()
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
             if rep > 1 and time.perf_counter() - start > budget_seconds:
@@ -279,21 +285,37 @@ class ModelRunner:
             for i, r in enumerate(list(grid)):
                 if rep == 0 and r > PROFILE_MIN_ROWS:  # the warm-up covers the rows always measured
                     continue
-                table = np.broadcast_to(np.arange(nb, dtype=np.int64), (r, nb)).copy()
-                meta = build_attention_metadata([1] * r, [context] * r, table, self.block_size)
-                ids = torch.zeros(r, dtype=torch.int64)
-                t0 = time.perf_counter()
-                hidden, _ = self.model(ids, self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids)
-                t1 = time.perf_counter()
-                self._argmax(self.model.compute_logits(hidden, float32=False))
-                t2 = time.perf_counter()
                 if rep:
-                    fwd[r], head[r] = min(fwd.get(r, math.inf), t1 - t0), min(head.get(r, math.inf), t2 - t1)
+                    measure(r)
+                else:
+                    self._time_rows(r, nb, context)
                 if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
                         and profile_may_stop_after(grid, i)):
                     grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)
                     break
+        # A point measured slower than a larger batch was noise (a bigger batch never takes less):
+        # measure it again, up to `retries` times, whatever the budget. A slow CPU measures each point
+        # once: on Zen 1 a lone 319 ms at 49 rows (64 rows: less) made the curve flat from 49 to 64
+        # rows, once kept monotone, and drafts there looked free.
+        for _ in range(retries):
+            above = [a for a, b in zip(grid, grid[1:]) if fwd[a] > fwd[b] or head[a] > head[b]]
+            if not above:
+                break
+            for r in above:
+                measure(r)
         return grid, [fwd[r] for r in grid], [head[r] for r in grid]
+
+    def _time_rows(self, rows: int, blocks: int, context: int) -> tuple[float, float]:
+        """Seconds of one target forward over `rows` decode rows (one token each after `context`
+        cached ones in the first `blocks` blocks) and of the lm_head with greedy picks over them."""
+        table = np.broadcast_to(np.arange(blocks, dtype=np.int64), (rows, blocks)).copy()
+        meta = build_attention_metadata([1] * rows, [context] * rows, table, self.block_size)
+        ids = torch.zeros(rows, dtype=torch.int64)
+        t0 = time.perf_counter()
+        hidden, _ = self.model(ids, self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids)
+        t1 = time.perf_counter()
+        self._argmax(self.model.compute_logits(hidden, float32=False))
+        return t1 - t0, time.perf_counter() - t1
 
     def _propose(
         self,

@@ -421,6 +421,29 @@ def test_draft_length_counts_in_metrics() -> None:
         assert line in text, (line, [t for t in text.splitlines() if "draft_length" in t])
 
 
+def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
+    """One slow run at 49 rows (a slow CPU measures each point once) would make the monotone curve
+    flat from 49 to 64 rows, and drafts there free: the point is measured again (the fastest run
+    kept), a bounded number of times even where it stays slow."""
+    calls: list[int] = []
+
+    def time_rows(rows: int, blocks: int, context: int) -> tuple[float, float]:
+        calls.append(rows)
+        spike = 3.0 if rows == 49 and calls.count(49) <= 2 else 1.0  # the warm-up and round 1
+        return 0.01 * rows * spike, 0.001 * rows
+
+    runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
+    rows, fwd, head = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
+    assert rows == [r for r in PROFILE_ROWS if r <= 64]
+    assert fwd == pytest.approx([0.01 * r for r in rows]) and (np.diff(fwd) > 0).all()
+    assert calls.count(49) == 3 and calls.count(48) == 2  # warm-up, round 1, one more for 49 only
+
+    stuck = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64,
+                            _time_rows=lambda rows, blocks, context: (1.0 if rows == 49 else 0.01 * rows, 0.0))
+    rows, fwd, _ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
+    assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
+
+
 def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[str, Path]) -> None:
     """The adaptive policy prices rows on the target's step time against rows, measured when the
     engine starts (nothing else runs then): rising rows up to the scheduler's token budget, every

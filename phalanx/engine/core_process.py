@@ -212,9 +212,10 @@ def run_engine_core(config_bytes: bytes) -> None:
             out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}", cfg.generation)))
             code = 1
         else:
-            # Every rank voted to stop: tear the data-parallel group down before the interpreter
-            # does. Left to its finalisation, a headless rank aborted once in a full test run
-            # ("terminate called without an active exception", exit -6) after leaving the loop.
+            # The loop ended cleanly (a shutdown vote, a Shutdown, or a head gone silent): tear the
+            # data-parallel group down before the interpreter does. Left to its finalisation, a
+            # headless rank aborted once in a full test run ("terminate called without an active
+            # exception", exit -6) after leaving the loop on the shutdown vote.
             if engine.group is not None:
                 engine.group.close()
     in_sock.close()

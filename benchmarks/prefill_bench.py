@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from invariance import model_shapes
 
 from phalanx import LLM, SamplingParams
 
@@ -33,15 +34,13 @@ def prompts(path: Path, n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in f][:n]
 
 
-def linear_shapes(m) -> list[tuple[int, int]]:  # noqa: ANN001 - ModelConfig
-    """(out, in) of one decoder layer's linears (dense models)."""
-    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    return [(qkv, m.hidden_size), (m.hidden_size, m.num_heads * m.head_dim),
-            (2 * m.intermediate_size, m.hidden_size), (m.hidden_size, m.intermediate_size)]
+def linear_shapes(model: str) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linears: invariance.py's shapes without the logits head."""
+    return [(n, k) for name, n, k in model_shapes(model) if name != "lm_head"]
 
 
-def prefill_flop(m, tokens: int) -> float:  # noqa: ANN001 - ModelConfig
-    linears = 2 * tokens * sum(o * i for o, i in linear_shapes(m)) * m.num_layers
+def prefill_flop(m, shapes: list[tuple[int, int]], tokens: int) -> float:  # noqa: ANN001 - ModelConfig
+    linears = 2 * tokens * sum(o * i for o, i in shapes) * m.num_layers
     attention = 4 * m.num_heads * m.head_dim * (tokens * (tokens + 1) // 2) * m.num_layers
     return float(linears + attention)
 
@@ -49,7 +48,7 @@ def prefill_flop(m, tokens: int) -> float:  # noqa: ANN001 - ModelConfig
 def gemm_seconds(m, tokens: int, weights: list) -> float:  # noqa: ANN001 - ModelConfig
     """A whole forward's linears (every layer's) as oneDNN bf16 GEMMs at `tokens` rows, timed as
     one span like a prefill (a best of short bursts would catch this VM's fast moments only)."""
-    x = {i: torch.randn(tokens, i).bfloat16() for _, i in linear_shapes(m)}
+    x = {w.shape[1]: torch.randn(tokens, w.shape[1]).bfloat16() for w in weights}
     for w in weights:  # warm
         torch.nn.functional.linear(x[w.shape[1]], w)
     start = time.perf_counter()
@@ -77,14 +76,15 @@ def main() -> None:
         llm.generate(ps[:1], one, use_tqdm=False)  # warm-up
         tokens = [len(llm.tokenizer.encode(p)) for p in ps]
         m = llm.config.model
-        weights = [torch.randn(o, i).bfloat16() for o, i in linear_shapes(m)]
+        shapes = linear_shapes(args.model)
+        weights = [torch.randn(o, i).bfloat16() for o, i in shapes]
         times, rates, gemm = [], [], []
         for p, n in zip(ps, tokens):
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 llm.generate([p], one, use_tqdm=False)
                 times.append(time.perf_counter() - start)
-                rates.append(prefill_flop(m, n) / times[-1])
+                rates.append(prefill_flop(m, shapes, n) / times[-1])
                 if args.gemm_rate:
                     g = gemm_seconds(m, n, weights)
                     gemm.append(2 * n * sum(w.numel() for w in weights) * m.num_layers / g)

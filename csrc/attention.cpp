@@ -424,7 +424,7 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
   inv.assign(rows, 0.f);  // a row without keys: its output stays zero
   for (int64_t r = 0; r < rows; ++r) {
     if (limit[r] <= 0) continue;
-    const float* row = sc.data() + (r / 16) * 16 * ls + (r % 16) * ls;
+    const float* row = sc.data() + r * ls;  // the row groups lie one after another
     __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t l = 0; l < limit[r]; l += 16)
       vmax = _mm512_mask_max_ps(vmax, tail_mask(limit[r] - l), vmax, _mm512_loadu_ps(row + l));
@@ -440,7 +440,7 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
         std::memset(out, 0, lg * 2);
         continue;
       }
-      const float* row = sc.data() + r * ls;  // the row groups lie one after another
+      const float* row = sc.data() + r * ls;
       const __m512 vb = _mm512_set1_ps(bias[r]);
       __m512 vsum = _mm512_setzero_ps();
       int64_t k0 = 0;

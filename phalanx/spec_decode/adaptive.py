@@ -79,6 +79,13 @@ PROFILE_ROWS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128,
 # rows took 10-17 s of `phalanx serve`'s start-up; there a row costs the same at any batch size, so
 # the extension is what the rest of the grid would have said. On AMX the whole grid takes ~1 s.
 PROFILE_MIN_ROWS = 64
+# Each profiled sequence attends this many cached tokens, in blocks of its own (as served requests'
+# are). Draft rows share their request's keys, so what a draft row costs against a row of its own
+# sequence depends on how much a sequence's attention costs: on SmolLM2 (AMX) 32 requests verifying
+# one draft each took 1.25x the time of 32 requests without, at 200 cached tokens in blocks of their
+# own (1.28-1.37x in served steps of chat requests), but 1.49x at 64 tokens in blocks all sequences
+# shared, what the profile measured before.
+PROFILE_CONTEXT = 192
 
 
 def profile_may_stop_after(grid: list[int], i: int) -> bool:
@@ -188,8 +195,21 @@ class StepFit(NamedTuple):
 
 
 # The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
-_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "verifies", "fed", "pass_rows", "forward",
+_FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "drafts", "fed", "pass_rows", "forward",
            "step")
+
+
+class StepProfile(NamedTuple):
+    """The target's step time against rows, measured before serving (``ModelRunner.profile_step_curve``):
+    the forward over `rows[i]` decode rows of a sequence each (`forward[i]` seconds) and the lm_head
+    with greedy picks over as many (`head[i]`); with speculation, `grouped[i]` the forward over as
+    many rows held `group` (k + 1) to a sequence, a verification's shape (None: not measured)."""
+
+    rows: list[int]
+    forward: list[float]
+    head: list[float]
+    grouped: list[float] | None = None
+    group: int = 1
 
 
 class StepCostModel:
@@ -273,10 +293,10 @@ class StepCostModel:
         # queued as a tuple (`_pending`) and written when something reads the window (`_flush`):
         # nine numpy stores a step, with cold caches between forward passes, cost ~5 us a step.
         self._data = np.zeros((len(_FIELDS), window))
-        (self._rows, self._logit_rows, self._seconds, self._drafter, self._passes, self._verifies, self._fed,
+        (self._rows, self._logit_rows, self._seconds, self._drafter, self._passes, self._drafts, self._fed,
          self._pass_rows, self._forward, self._step) = self._data
         self._step[:] = -np.inf  # -inf: an empty slot
-        # _drafter: seconds (0 where it ran no pass); _verifies: 1.0 where the step verified drafts;
+        # _drafter: seconds (0 where it ran no pass); _drafts: the draft rows the step verified;
         # _fed: positions the drafter's first pass fed; _pass_rows: those its later passes fed;
         # _forward: seconds in the target's forward and lm_head; _step: the step count each entry
         # was taken at
@@ -288,8 +308,13 @@ class StepCostModel:
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
         self._profile: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        # The forward over as many rows held `_group` to a sequence (None: draft rows are priced as
+        # rows of their own sequences).
+        self._grouped: np.ndarray | None = None
+        self._group = 1
 
-    def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float]) -> None:
+    def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float],
+                    grouped_seconds: list[float] | None = None, group: int = 1) -> None:
         """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
         target forward over `rows[i]` decode rows, `head_seconds[i]` the lm_head and greedy pick
         over as many (``ModelRunner.profile_step_curve``). The fit then scales that shape to the
@@ -299,7 +324,11 @@ class StepCostModel:
         fixed cost) as lines. Why: served, steps of the same rows vary by 10-30 %
         (other work on the same cores), and a row's cost read from differences of a row or two
         between consecutive steps was mostly that noise. On a compute-bound CPU (AVX2, SmolLM2:
-        ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load."""
+        ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load.
+
+        `grouped_seconds[i]`: the forward over `rows[i]` rows held `group` to a sequence (a
+        verification's shape), so that a draft row is priced as what it is, a row of its request's
+        sequence (`shape`)."""
         r = np.asarray(rows, dtype=np.float64)
         if r.ndim != 1 or r.size == 0 or len(forward_seconds) != r.size or len(head_seconds) != r.size:
             raise ValueError(f"profile needs rows, forward and head seconds of one length, got {rows!r}")
@@ -307,20 +336,45 @@ class StepCostModel:
             raise ValueError(f"profile rows must rise from >= 1, got {rows!r}")
         if not min(forward_seconds) > 0:
             raise ValueError(f"profile forward seconds must be > 0, got {forward_seconds!r}")
+        if grouped_seconds is not None and (len(grouped_seconds) != r.size or not min(grouped_seconds) > 0):
+            raise ValueError(f"grouped profile needs a second > 0 for each of {r.size} rows, got {grouped_seconds!r}")
+        if grouped_seconds is not None and group < 2:
+            raise ValueError(f"grouped profile needs rows grouped 2 or more to a sequence, got group={group}")
         # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so).
         fwd = np.maximum.accumulate(np.asarray(forward_seconds, dtype=np.float64))
         head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
         # The head over 0 rows costs nothing (a step of prompt rows only).
         self._profile = (r, fwd, np.concatenate([[0.0], r]), np.concatenate([[0.0], head]))
+        self._grouped, self._group = None, 1
+        if grouped_seconds is not None:
+            # Never above the rows of their own sequences (fewer sequences read fewer keys; a
+            # measurement saying otherwise is noise), non-decreasing like the rest.
+            self._grouped = np.maximum.accumulate(np.minimum(np.asarray(grouped_seconds, dtype=np.float64), fwd))
+            self._group = int(group)
         self._fits.clear()
         self._curves.clear()
 
-    def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float) -> np.ndarray:
+    def set_step_profile(self, profile: StepProfile) -> None:
+        """`set_profile` from what ``ModelRunner.profile_step_curve`` returns."""
+        self.set_profile(profile.rows, profile.forward, profile.head, profile.grouped, profile.group)
+
+    def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float,
+              draft_rows: np.ndarray | float = 0.0) -> np.ndarray:
         """The profiled seconds of a target forward over `rows` rows, `logit_rows` of them through
-        the lm_head: linear between the measured points, extended beyond them (`_interp`)."""
+        the lm_head and `draft_rows` of them drafts verified (rows of a request's sequence after its
+        token): linear between the measured points, extended beyond them (`_interp`). Where a
+        grouped profile was measured, the forward moves from the rows-of-their-own-sequences curve
+        towards the grouped one as the share of draft rows nears a verification's (group - 1 of
+        every group rows): a sequence's attention costs the same for one query row or a few."""
         assert self._profile is not None
         r, fwd, head_rows, head = self._profile
-        return _interp(rows, r, fwd) + _interp(logit_rows, head_rows, head)
+        own = _interp(rows, r, fwd)
+        if self._grouped is not None:
+            rows_arr = np.asarray(rows, dtype=np.float64)
+            spread = np.maximum(rows_arr * (self._group - 1) / self._group, 1e-9)
+            share = np.clip(np.asarray(draft_rows, dtype=np.float64) / spread, 0.0, 1.0)
+            own = own - share * np.maximum(own - _interp(rows, r, self._grouped), 0.0)
+        return own + _interp(logit_rows, head_rows, head)
 
     @property
     def measured(self) -> bool:
@@ -344,7 +398,7 @@ class StepCostModel:
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
         self._pending.append((
             num_rows, num_rows if num_logit_rows is None else num_logit_rows, seconds, drafter, drafter_passes,
-            num_draft_rows > 0, num_rows if drafter_rows is None else drafter_rows, drafter_pass_rows, forward,
+            num_draft_rows, num_rows if drafter_rows is None else drafter_rows, drafter_pass_rows, forward,
             self._count,
         ))
         if len(self._pending) >= self.window:
@@ -388,7 +442,8 @@ class StepCostModel:
         """The local fit at `base_rows` (class docstring)."""
         assert self.measured, "no step measured yet"
         self._flush()
-        x, y, lg, v = self._rows, self._seconds, self._logit_rows, self._verifies
+        x, y, lg, dr_rows = self._rows, self._seconds, self._logit_rows, self._drafts
+        v = (dr_rows > 0).astype(np.float64)  # the step verified drafts
         age = self._count - self._step  # steps since each entry (inf: an empty slot)
         full = np.isfinite(age)
         near = self._nearness(base_rows)
@@ -428,7 +483,7 @@ class StepCostModel:
             # each shrunk towards 0. Scaling the whole step on the shape instead priced a row at
             # up to twice its forward on a small model whose steps are half Python.
             f = self._forward
-            shape = self.shape(x, lg)  # [window]
+            shape = self.shape(x, lg, dr_rows)  # [window]
             scale = float(w @ f) / max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
             rest = t - f
             rest_row = verify_cost = 0.0
@@ -664,7 +719,7 @@ class StepCostModel:
         assert f is not None
         m = np.arange(num_extra + 1, dtype=np.float64)
         rows, logits = base_rows + m, logit_base + m
-        times = f.scale * self.shape(rows, logits) + f.fixed + f.per_row * (rows - logits) + f.per_logit_row * logits
+        times = f.scale * self.shape(rows, logits, m) + f.fixed + f.per_row * (rows - logits) + f.per_logit_row * logits
         curve = np.maximum.accumulate(np.maximum(times, 1e-6)).tolist()
         return curve, f.first_cost + f.verify_cost, f.pass_cost
 

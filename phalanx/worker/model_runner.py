@@ -34,7 +34,13 @@ from phalanx.sample.metadata import SamplingMetadata
 from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
-from phalanx.spec_decode.adaptive import PROFILE_MIN_ROWS, PROFILE_ROWS, profile_may_stop_after
+from phalanx.spec_decode.adaptive import (
+    PROFILE_CONTEXT,
+    PROFILE_MIN_ROWS,
+    PROFILE_ROWS,
+    StepProfile,
+    profile_may_stop_after,
+)
 from phalanx.spec_decode.proposer import ProposeBatch, Proposer, build_proposer
 
 _GIB = 1 << 30
@@ -248,10 +254,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_step_curve(
-        self, max_rows: int, context: int = 64, repeats: int = 3, budget_seconds: float = 3.0, retries: int = 2
-    ) -> tuple[list[int], list[float], list[float]]:
+        self, max_rows: int, context: int = PROFILE_CONTEXT, repeats: int = 3, budget_seconds: float = 3.0,
+        retries: int = 2, group: int = 1,
+    ) -> StepProfile:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
-        ones) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
+        ones, in blocks of its own while the cache has them) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
         to `max_rows`: the fastest of `repeats` rounds over the grid, after a warm-up round up to 64
         rows; rounds after the first only while the profile has taken under `budget_seconds` (SmolLM2
         on 2 AMX cores: 3 rounds, ~2.6 s), and where the first round runs past it (a slow CPU), the
@@ -264,19 +271,35 @@ class ModelRunner:
         allocator keeps or returns freed buffers by turns. It is the shape of step time against
         rows that the adaptive policy prices drafts on, measured before serving, while nothing
         else runs (its online fit scales it to the forwards the steps time). Call it before any
-        request holds blocks: the rows write throw-away KV into the first blocks. Not under expert
-        parallelism (the forward's collectives would have no partners on the other ranks)."""
+        request holds blocks: the rows write throw-away KV into the cache. Not under expert
+        parallelism (the forward's collectives would have no partners on the other ranks).
+
+        `group` > 1 (speculation with k = group - 1) also times, at every grid point, the forward
+        over as many rows held `group` to a sequence (the shape of a verification: a request's
+        drafts follow its token): what a draft row costs against a row of its own sequence. Each
+        sequence's attention reads its keys once whatever its query rows (they share its tiles),
+        so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying one draft each took 38.6 ms
+        where 64 requests of one row took 43.3; priced as the latter, the adaptive policy drafted
+        nothing at 32 requests where one draft each ran 1.2x faster than none."""
         if self.expert_shard is not None:
             raise RuntimeError("profile_step_curve runs the forward alone: not under expert parallelism")
-        nb = max(min((context + 1 + self.block_size - 1) // self.block_size, self.num_blocks), 1)
-        context = min(context, nb * self.block_size - 1)
+        # blocks a sequence of `group` rows after `context` cached ones takes (a cache too small for
+        # a whole sequence: a shorter context; for a verification's rows: none grouped)
+        nb = max(min((context + group + self.block_size - 1) // self.block_size, self.num_blocks), 1)
+        if group > nb * self.block_size:
+            group = 1
+        group = max(group, 1)
+        context = max(min(context, nb * self.block_size - group), 0)
         grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
         fwd: dict[int, float] = {}
         head: dict[int, float] = {}
+        grouped: dict[int, float] = {}
 
         def measure(r: int) -> None:
             t_fwd, t_head = self._time_rows(r, nb, context)
             fwd[r], head[r] = min(fwd.get(r, math.inf), t_fwd), min(head.get(r, math.inf), t_head)
+            if group > 1:
+                grouped[r] = min(grouped.get(r, math.inf), self._time_rows(r, nb, context, group)[0])
 
         start = time.perf_counter()
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
@@ -289,6 +312,8 @@ class ModelRunner:
                     measure(r)
                 else:
                     self._time_rows(r, nb, context)
+                    if group > 1:
+                        self._time_rows(r, nb, context, group)
                 if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
                         and profile_may_stop_after(grid, i)):
                     grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)
@@ -298,18 +323,23 @@ class ModelRunner:
         # once: on Zen 1 a lone 319 ms at 49 rows (64 rows: less) made the curve flat from 49 to 64
         # rows, once kept monotone, and drafts there looked free.
         for _ in range(retries):
-            above = [a for a, b in zip(grid, grid[1:]) if fwd[a] > fwd[b] or head[a] > head[b]]
+            above = [a for a, b in zip(grid, grid[1:])
+                     if fwd[a] > fwd[b] or head[a] > head[b] or (group > 1 and grouped[a] > grouped[b])]
             if not above:
                 break
             for r in above:
                 measure(r)
-        return grid, [fwd[r] for r in grid], [head[r] for r in grid]
+        return StepProfile(grid, [fwd[r] for r in grid], [head[r] for r in grid],
+                           [grouped[r] for r in grid] if group > 1 else None, group)
 
-    def _time_rows(self, rows: int, blocks: int, context: int) -> tuple[float, float]:
-        """Seconds of one target forward over `rows` decode rows (one token each after `context`
-        cached ones in the first `blocks` blocks) and of the lm_head with greedy picks over them."""
-        table = np.broadcast_to(np.arange(blocks, dtype=np.int64), (rows, blocks)).copy()
-        meta = build_attention_metadata([1] * rows, [context] * rows, table, self.block_size)
+    def _time_rows(self, rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
+        """Seconds of one target forward over `rows` decode rows (`group` to a sequence, the last one
+        fewer where they do not divide: a token after `context` cached ones and drafts after it,
+        each sequence in `blocks` blocks of its own while the cache has them) and of the lm_head
+        with greedy picks over them."""
+        q_lens = [group] * (rows // group) + ([rows % group] if rows % group else [])
+        table = (np.arange(len(q_lens) * blocks, dtype=np.int64) % self.num_blocks).reshape(len(q_lens), blocks)
+        meta = build_attention_metadata(q_lens, [context] * len(q_lens), table, self.block_size)
         ids = torch.zeros(rows, dtype=torch.int64)
         t0 = time.perf_counter()
         hidden, _ = self.model(ids, self.kv_caches, meta, aux_layer_ids=self.aux_layer_ids)

@@ -427,20 +427,21 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
     kept), a bounded number of times even where it stays slow."""
     calls: list[int] = []
 
-    def time_rows(rows: int, blocks: int, context: int) -> tuple[float, float]:
+    def time_rows(rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
         calls.append(rows)
         spike = 3.0 if rows == 49 and calls.count(49) <= 2 else 1.0  # the warm-up and round 1
         return 0.01 * rows * spike, 0.001 * rows
 
     runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
-    rows, fwd, head = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
+    rows, fwd, head, grouped, _ = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
+    assert grouped is None  # no speculation asked for: rows of their own sequences only
     assert rows == [r for r in PROFILE_ROWS if r <= 64]
     assert fwd == pytest.approx([0.01 * r for r in rows]) and (np.diff(fwd) > 0).all()
     assert calls.count(49) == 3 and calls.count(48) == 2  # warm-up, round 1, one more for 49 only
 
     stuck = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64,
-                            _time_rows=lambda rows, blocks, context: (1.0 if rows == 49 else 0.01 * rows, 0.0))
-    rows, fwd, _ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
+                            _time_rows=lambda rows, blocks, context, group=1: (1.0 if rows == 49 else 0.01 * rows, 0.0))
+    rows, fwd, *_ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
     assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
 
 
@@ -456,6 +457,11 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
     rows, fwd, _, head = adaptive.costs._profile
     assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
     assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
+    # and as a verification holds them, k + 1 rows to a sequence: never above the other curve
+    k = llm.engine.cfg.speculative.num_speculative_tokens
+    grouped = adaptive.costs._grouped
+    assert adaptive.costs._group == k + 1 and grouped is not None and grouped.shape == fwd.shape
+    assert (grouped > 0).all() and (grouped <= fwd).all() and (np.diff(grouped) >= 0).all()
     assert llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     # Past its time budget (a slow CPU) the grid ends at the first point it may past 64 rows; with
     # time to spare it runs to the end.

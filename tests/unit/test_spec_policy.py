@@ -831,6 +831,54 @@ def test_a_profile_that_ends_flat_is_extended_at_its_upper_half_slope() -> None:
     assert choose_draft_lengths(accept, np.full(32, 3), np.asarray(curve), pass_cost, first, 0.03).sum() == 0
 
 
+def test_draft_rows_are_priced_as_rows_of_their_requests_sequences() -> None:
+    """A sequence's attention reads its keys once whatever its query rows: on SmolLM2 (AMX, 150
+    cached tokens) 32 requests verifying one draft each took 38.6 ms where 64 requests of a row
+    took 43.3. Priced as the latter (the only profile there was), a draft row at 32 requests looked
+    twice its cost and the policy drafted nothing where one draft each ran 1.2x faster. With the
+    forward also profiled at k + 1 rows to a sequence, a step's shape moves from one curve to the
+    other with its share of draft rows; prompt and decode rows keep the first."""
+    rows = [1, 16, 32, 64, 128]
+    own = [0.010, 0.016, 0.024, 0.040, 0.072]  # 0.5 ms a row past 32 (GEMM + a sequence's attention)
+    grouped = [0.010, 0.014, 0.019, 0.028, 0.046]  # sequences of 4 rows: attention a quarter as often
+    costs = StepCostModel()
+    costs.set_profile(rows, own, [0.0] * len(rows), grouped, group=4)
+    assert float(costs.shape(64, 0)) == pytest.approx(0.040)  # 64 rows of their own
+    assert float(costs.shape(64, 0, 48)) == pytest.approx(0.028)  # 16 requests verifying 3 drafts each
+    assert float(costs.shape(64, 0, 32)) == pytest.approx(0.040 - (32 / 48) * 0.012)  # 32 verifying one each
+    assert float(costs.shape(64, 0, 60)) == pytest.approx(0.028)  # never below the grouped curve
+    # Served steps: 32 requests take 1.2x the profile whether or not they verify drafts.
+    for step in range(256):
+        drafts = 32 if step % 2 else 0
+        forward = 1.2 * float(costs.shape(32 + drafts, 0, drafts))
+        costs.observe(32 + drafts, forward, 0.0, 0, num_logit_rows=0, num_draft_rows=drafts, forward_seconds=forward)
+    fit = costs.fit(32)
+    assert fit.scale == pytest.approx(1.2, rel=0.01)
+    curve, _, _ = costs.step_cost(32, 32, base_logit_rows=0)
+    assert curve[32] - curve[0] == pytest.approx(1.2 * (0.040 - (32 / 48) * 0.012 - 0.024), rel=0.02)
+    # One draft each accepting 0.6: 1.6x the tokens for 1.3x the forward. Priced as 64 rows of
+    # their own (1.67x the forward), drafting would lose.
+    accept = np.tile([0.6, 0.5, 0.4], (32, 1))
+    assert choose_draft_lengths(accept, np.full(32, 1), np.asarray(curve), 0.0, 0.0, 0.03).tolist() == [1] * 32
+    plain = StepCostModel()
+    plain.set_profile(rows, own, [0.0] * len(rows))
+    for step in range(256):
+        drafts = 32 if step % 2 else 0
+        plain.observe(32 + drafts, 1.2 * float(plain.shape(32 + drafts, 0)), 0.0, 0, num_logit_rows=0,
+                      num_draft_rows=drafts)
+    own_curve, _, _ = plain.step_cost(32, 32, base_logit_rows=0)
+    assert choose_draft_lengths(accept, np.full(32, 1), np.asarray(own_curve), 0.0, 0.0, 0.03).sum() == 0
+
+
+def test_a_grouped_measurement_above_the_own_rows_curve_is_noise() -> None:
+    """Fewer sequences never read more keys: a grouped point measured above the other curve is
+    taken at it, and the grouped curve never falls."""
+    costs = StepCostModel()
+    costs.set_profile([1, 16, 32], [0.010, 0.016, 0.024], [0.0] * 3, [0.010, 0.030, 0.020], group=2)
+    assert costs._grouped is not None and costs._grouped.tolist() == [0.010, 0.016, 0.020]
+    assert float(costs.shape(32, 0, 16)) == pytest.approx(0.020)
+
+
 def test_a_bad_profile_is_refused() -> None:
     costs = StepCostModel()
     with pytest.raises(ValueError, match="rise"):
@@ -841,6 +889,10 @@ def test_a_bad_profile_is_refused() -> None:
         costs.set_profile([0, 2], [0.1, 0.2], [0.0, 0.0])
     with pytest.raises(ValueError, match="> 0"):
         costs.set_profile([1, 2], [0.0, 0.2], [0.0, 0.0])
+    with pytest.raises(ValueError, match="grouped profile needs a second > 0 for each of 2 rows"):
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [0.1], group=4)
+    with pytest.raises(ValueError, match="grouped 2 or more to a sequence, got group=1"):
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [0.1, 0.1], group=1)
 
 
 @settings(max_examples=200, deadline=None)

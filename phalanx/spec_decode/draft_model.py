@@ -36,14 +36,12 @@ from phalanx.spec_decode.proposer import (
     ProposeBatch,
     chain_grid,
     chain_rest,
-    deepest_first,
     draft_rest,
     drafter_pass,
     drafter_room,
     feed_range,
-    later_pass_rows,
-    num_passes,
     pass_size,
+    plan_passes,
     uniform_grid,
 )
 
@@ -144,14 +142,11 @@ class DraftModelProposer:
                 self._computed[req_id] = upto
                 if drafts_now:
                     drafting.append(len(feeds) - 1)
-        drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
-        passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
-        self.passes_run = passes
-        self.rows_fed = sum(len(f.token_ids) for f in feeds)
-        if passes == 0:
+        plan = plan_passes(batch, feeds, drafting, self._chains)
+        self.passes_run, self.rows_fed, self.pass_rows = plan.passes, plan.rows_fed, plan.pass_rows
+        if plan.passes == 0:
             return drafts
-        chains = self._chains(batch)
-        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
+        drafting, passes, chains = plan.drafting, plan.passes, plan.chained
         q = uniform_grid(feeds, drafting)
         if chains and q:  # all k passes in one C++ call (bitwise the same)
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(

@@ -32,15 +32,13 @@ from phalanx.spec_decode.proposer import (
     ProposeBatch,
     chain_grid,
     chain_rest,
-    deepest_first,
     draft_rest,
     drafter_pass,
     drafter_room,
     feed_range,
-    later_pass_rows,
     max_lag,
-    num_passes,
     pass_size,
+    plan_passes,
     uniform_grid,
 )
 
@@ -166,14 +164,11 @@ class EagleProposer:
                 wait_spans.append((req_id, upto, off + max(upto, nc), end - max(upto, nc)))
         if wait_rows:
             self._wait(batch, wait_rows, wait_spans)
-        drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
-        passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
-        self.passes_run = passes
-        self.rows_fed = sum(len(f.token_ids) for f in feeds)
-        if passes == 0:
+        plan = plan_passes(batch, feeds, drafting, self._chains)
+        self.passes_run, self.rows_fed, self.pass_rows = plan.passes, plan.rows_fed, plan.pass_rows
+        if plan.passes == 0:
             return drafts
-        chains = self._chains(batch)
-        self.pass_rows = later_pass_rows(batch, [batch.num_drafts[feeds[f].row] for f in drafting], passes, chains)
+        drafting, passes, chains = plan.drafting, plan.passes, plan.chained
         raw = self._raw(batch, fed_rows)
         if any(w is not None for w in kept):  # each caught-up request's waiting rows go first
             pieces, at = [], 0

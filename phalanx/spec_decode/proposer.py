@@ -317,6 +317,30 @@ def num_passes(batch: ProposeBatch, deepest: int, fed: bool = True) -> int:
     return max(deepest, 1) if fed else 0
 
 
+class PassPlan(NamedTuple):
+    """The passes a model drafter runs this step (`plan_passes`)."""
+
+    drafting: list[int]  # indices into the feeds of the requests that get drafts, deepest first
+    passes: int  # drafter forwards (0: none)
+    rows_fed: int  # positions the first pass feeds (this step's and any caught up on)
+    pass_rows: int  # positions passes 2.. feed (`later_pass_rows`)
+    chained: bool  # every pass in one drafting chain (the proposer's `_chains`); False without passes
+
+
+def plan_passes(batch: ProposeBatch, feeds: list[Feed], drafting: list[int],
+                chains: Callable[[ProposeBatch], bool]) -> PassPlan:
+    """How many passes the model drafter runs for `feeds` (`drafting`: those that get drafts), and
+    what they feed, for the step-cost model."""
+    drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
+    passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
+    rows_fed = sum(len(f.token_ids) for f in feeds)
+    if passes == 0:
+        return PassPlan(drafting, 0, rows_fed, 0, False)
+    chained = chains(batch)
+    depths = [batch.num_drafts[feeds[f].row] for f in drafting]
+    return PassPlan(drafting, passes, rows_fed, later_pass_rows(batch, depths, passes, chained), chained)
+
+
 def later_pass_rows(batch: ProposeBatch, depths: list[int], passes: int, chained: bool) -> int:
     """Positions passes 2..`passes` feed, for the step-cost model (`depths`: the drafting requests'
     draft lengths): in lockstep each pass's voted size (padding runs too); through a drafting chain

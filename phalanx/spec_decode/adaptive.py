@@ -86,6 +86,12 @@ PROFILE_MIN_ROWS = 64
 # own (1.28-1.37x in served steps of chat requests), but 1.49x at 64 tokens in blocks all sequences
 # shared, what the profile measured before.
 PROFILE_CONTEXT = 192
+# Rows at which the profile also times the forward with its rows held k + 1 to a sequence (a
+# verification's shape). What that saves against rows of their own sequences is their attention,
+# smooth in the number of sequences (no tile edges: both forwards run the same GEMM rows), so a few
+# points give it everywhere: linear between them, in proportion to the rows beyond. The whole grid
+# measured twice took ~4.5 s of SmolLM2's start-up on an AMX VM where one grid took ~2.3.
+GROUPED_PROFILE_ROWS = (16, 32, 64, 128)
 
 
 def profile_may_stop_after(grid: list[int], i: int) -> bool:
@@ -202,12 +208,14 @@ _FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "drafts", "fed"
 class StepProfile(NamedTuple):
     """The target's step time against rows, measured before serving (``ModelRunner.profile_step_curve``):
     the forward over `rows[i]` decode rows of a sequence each (`forward[i]` seconds) and the lm_head
-    with greedy picks over as many (`head[i]`); with speculation, `grouped[i]` the forward over as
-    many rows held `group` (k + 1) to a sequence, a verification's shape (None: not measured)."""
+    with greedy picks over as many (`head[i]`); with speculation, `grouped[j]` the forward over
+    `grouped_rows[j]` rows (some of `rows`: `GROUPED_PROFILE_ROWS`) held `group` (k + 1) to a
+    sequence, a verification's shape (None: not measured)."""
 
     rows: list[int]
     forward: list[float]
     head: list[float]
+    grouped_rows: list[int] | None = None
     grouped: list[float] | None = None
     group: int = 1
 
@@ -308,13 +316,14 @@ class StepCostModel:
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
         self._profile: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-        # The forward over as many rows held `_group` to a sequence (None: draft rows are priced as
-        # rows of their own sequences).
-        self._grouped: np.ndarray | None = None
+        # What holding rows `_group` to a sequence saves of the forward, at rows from 0 (None: draft
+        # rows are priced as rows of their own sequences).
+        self._saving: tuple[np.ndarray, np.ndarray] | None = None
         self._group = 1
 
     def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float],
-                    grouped_seconds: list[float] | None = None, group: int = 1) -> None:
+                    grouped_rows: list[int] | None = None, grouped_seconds: list[float] | None = None,
+                    group: int = 1) -> None:
         """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
         target forward over `rows[i]` decode rows, `head_seconds[i]` the lm_head and greedy pick
         over as many (``ModelRunner.profile_step_curve``). The fit then scales that shape to the
@@ -326,9 +335,9 @@ class StepCostModel:
         between consecutive steps was mostly that noise. On a compute-bound CPU (AVX2, SmolLM2:
         ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load.
 
-        `grouped_seconds[i]`: the forward over `rows[i]` rows held `group` to a sequence (a
-        verification's shape), so that a draft row is priced as what it is, a row of its request's
-        sequence (`shape`)."""
+        `grouped_seconds[j]`: the forward over `grouped_rows[j]` rows (each one of `rows`) held
+        `group` to a sequence (a verification's shape), so that a draft row is priced as what it
+        is, a row of its request's sequence (`shape`)."""
         r = np.asarray(rows, dtype=np.float64)
         if r.ndim != 1 or r.size == 0 or len(forward_seconds) != r.size or len(head_seconds) != r.size:
             raise ValueError(f"profile needs rows, forward and head seconds of one length, got {rows!r}")
@@ -336,44 +345,57 @@ class StepCostModel:
             raise ValueError(f"profile rows must rise from >= 1, got {rows!r}")
         if not min(forward_seconds) > 0:
             raise ValueError(f"profile forward seconds must be > 0, got {forward_seconds!r}")
-        if grouped_seconds is not None and (len(grouped_seconds) != r.size or not min(grouped_seconds) > 0):
-            raise ValueError(f"grouped profile needs a second > 0 for each of {r.size} rows, got {grouped_seconds!r}")
-        if grouped_seconds is not None and group < 2:
-            raise ValueError(f"grouped profile needs rows grouped 2 or more to a sequence, got group={group}")
+        if grouped_seconds is not None:
+            if grouped_rows is None or len(grouped_rows) != len(grouped_seconds) or not grouped_rows:
+                raise ValueError(f"grouped profile needs rows and seconds of one length, got {grouped_rows!r} "
+                                 f"and {grouped_seconds!r}")
+            if not set(grouped_rows) <= set(rows) or sorted(set(grouped_rows)) != list(grouped_rows):
+                raise ValueError(f"grouped profile rows must rise and be profiled rows ({rows!r}), got {grouped_rows!r}")
+            if not min(grouped_seconds) > 0:
+                raise ValueError(f"grouped profile seconds must be > 0, got {grouped_seconds!r}")
+            if group < 2:
+                raise ValueError(f"grouped profile needs rows grouped 2 or more to a sequence, got group={group}")
         # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so).
         fwd = np.maximum.accumulate(np.asarray(forward_seconds, dtype=np.float64))
         head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
         # The head over 0 rows costs nothing (a step of prompt rows only).
         self._profile = (r, fwd, np.concatenate([[0.0], r]), np.concatenate([[0.0], head]))
-        self._grouped, self._group = None, 1
-        if grouped_seconds is not None:
-            # Never above the rows of their own sequences (fewer sequences read fewer keys; a
-            # measurement saying otherwise is noise), non-decreasing like the rest.
-            self._grouped = np.maximum.accumulate(np.minimum(np.asarray(grouped_seconds, dtype=np.float64), fwd))
+        self._saving, self._group = None, 1
+        if grouped_seconds is not None and grouped_rows is not None:
+            # Never below 0 (fewer sequences read fewer keys; a measurement saying otherwise is
+            # noise), nothing at 0 rows.
+            gr = np.asarray(grouped_rows, dtype=np.float64)
+            own = fwd[np.searchsorted(r, gr)]
+            saved = np.maximum(own - np.asarray(grouped_seconds, dtype=np.float64), 0.0)
+            self._saving = (np.concatenate([[0.0], gr]), np.concatenate([[0.0], saved]))
             self._group = int(group)
         self._fits.clear()
         self._curves.clear()
 
     def set_step_profile(self, profile: StepProfile) -> None:
         """`set_profile` from what ``ModelRunner.profile_step_curve`` returns."""
-        self.set_profile(profile.rows, profile.forward, profile.head, profile.grouped, profile.group)
+        self.set_profile(profile.rows, profile.forward, profile.head, profile.grouped_rows, profile.grouped,
+                         profile.group)
 
     def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float,
               draft_rows: np.ndarray | float = 0.0) -> np.ndarray:
         """The profiled seconds of a target forward over `rows` rows, `logit_rows` of them through
         the lm_head and `draft_rows` of them drafts verified (rows of a request's sequence after its
         token): linear between the measured points, extended beyond them (`_interp`). Where a
-        grouped profile was measured, the forward moves from the rows-of-their-own-sequences curve
-        towards the grouped one as the share of draft rows nears a verification's (group - 1 of
-        every group rows): a sequence's attention costs the same for one query row or a few."""
+        grouped profile was measured, a share of what rows held `group` to a sequence save is taken
+        off, the share of draft rows against a verification's (group - 1 of every group rows): a
+        sequence's attention costs the same for one query row or a few. The saving is linear
+        between the rows it was measured at and in proportion to the rows beyond them."""
         assert self._profile is not None
         r, fwd, head_rows, head = self._profile
         own = _interp(rows, r, fwd)
-        if self._grouped is not None:
+        if self._saving is not None:
+            gr, saved = self._saving
             rows_arr = np.asarray(rows, dtype=np.float64)
+            saving = np.where(rows_arr > gr[-1], saved[-1] * rows_arr / gr[-1], np.interp(rows_arr, gr, saved))
             spread = np.maximum(rows_arr * (self._group - 1) / self._group, 1e-9)
             share = np.clip(np.asarray(draft_rows, dtype=np.float64) / spread, 0.0, 1.0)
-            own = own - share * np.maximum(own - _interp(rows, r, self._grouped), 0.0)
+            own = own - share * np.minimum(saving, own)
         return own + _interp(logit_rows, head_rows, head)
 
     @property

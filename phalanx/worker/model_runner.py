@@ -35,6 +35,7 @@ from phalanx.sample.rejection import rejection_sample
 from phalanx.sample.sampler import LogprobsTensors, Sampler, compute_token_logprobs
 from phalanx.sampling_params import SamplingParams
 from phalanx.spec_decode.adaptive import (
+    GROUPED_PROFILE_ROWS,
     PROFILE_CONTEXT,
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
@@ -274,8 +275,8 @@ class ModelRunner:
         request holds blocks: the rows write throw-away KV into the cache. Not under expert
         parallelism (the forward's collectives would have no partners on the other ranks).
 
-        `group` > 1 (speculation with k = group - 1) also times, at every grid point, the forward
-        over as many rows held `group` to a sequence (the shape of a verification: a request's
+        `group` > 1 (speculation with k = group - 1) also times, at the grid points of
+        `GROUPED_PROFILE_ROWS`, the forward over as many rows held `group` to a sequence (the shape of a verification: a request's
         drafts follow its token): what a draft row costs against a row of its own sequence. Each
         sequence's attention reads its keys once whatever its query rows (they share its tiles),
         so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying one draft each took 38.6 ms
@@ -291,6 +292,8 @@ class ModelRunner:
         group = max(group, 1)
         context = max(min(context, nb * self.block_size - group), 0)
         grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
+        # the verification's shape at a few of them (at the largest where the grid holds none)
+        grouped_grid = ({r for r in GROUPED_PROFILE_ROWS if r in grid} or {max_rows}) if group > 1 else set()
         fwd: dict[int, float] = {}
         head: dict[int, float] = {}
         grouped: dict[int, float] = {}
@@ -298,7 +301,7 @@ class ModelRunner:
         def measure(r: int) -> None:
             t_fwd, t_head = self._time_rows(r, nb, context)
             fwd[r], head[r] = min(fwd.get(r, math.inf), t_fwd), min(head.get(r, math.inf), t_head)
-            if group > 1:
+            if r in grouped_grid:
                 grouped[r] = min(grouped.get(r, math.inf), self._time_rows(r, nb, context, group)[0])
 
         start = time.perf_counter()
@@ -312,7 +315,7 @@ class ModelRunner:
                     measure(r)
                 else:
                     self._time_rows(r, nb, context)
-                    if group > 1:
+                    if r in grouped_grid:
                         self._time_rows(r, nb, context, group)
                 if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
                         and profile_may_stop_after(grid, i)):
@@ -323,14 +326,14 @@ class ModelRunner:
         # once: on Zen 1 a lone 319 ms at 49 rows (64 rows: less) made the curve flat from 49 to 64
         # rows, once kept monotone, and drafts there looked free.
         for _ in range(retries):
-            above = [a for a, b in zip(grid, grid[1:])
-                     if fwd[a] > fwd[b] or head[a] > head[b] or (group > 1 and grouped[a] > grouped[b])]
+            above = [a for a, b in zip(grid, grid[1:]) if fwd[a] > fwd[b] or head[a] > head[b]]
             if not above:
                 break
             for r in above:
                 measure(r)
+        rows_grouped = sorted(r for r in grouped_grid if r in grouped)  # a grid cut short measured fewer
         return StepProfile(grid, [fwd[r] for r in grid], [head[r] for r in grid],
-                           [grouped[r] for r in grid] if group > 1 else None, group)
+                           rows_grouped or None, [grouped[r] for r in rows_grouped] or None, group)
 
     def _time_rows(self, rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
         """Seconds of one target forward over `rows` decode rows (`group` to a sequence, the last one

@@ -433,8 +433,8 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
         return 0.01 * rows * spike, 0.001 * rows
 
     runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
-    rows, fwd, head, grouped, _ = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
-    assert grouped is None  # no speculation asked for: rows of their own sequences only
+    rows, fwd, head, grouped_rows, grouped, _ = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
+    assert grouped_rows is None and grouped is None  # no speculation asked for: rows of their own sequences only
     assert rows == [r for r in PROFILE_ROWS if r <= 64]
     assert fwd == pytest.approx([0.01 * r for r in rows]) and (np.diff(fwd) > 0).all()
     assert calls.count(49) == 3 and calls.count(48) == 2  # warm-up, round 1, one more for 49 only
@@ -457,11 +457,14 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
     rows, fwd, _, head = adaptive.costs._profile
     assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
     assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
-    # and as a verification holds them, k + 1 rows to a sequence: never above the other curve
+    # and, at a few of those rows, as a verification holds them, k + 1 rows to a sequence
     k = llm.engine.cfg.speculative.num_speculative_tokens
-    grouped = adaptive.costs._grouped
-    assert adaptive.costs._group == k + 1 and grouped is not None and grouped.shape == fwd.shape
-    assert (grouped > 0).all() and (grouped <= fwd).all() and (np.diff(grouped) >= 0).all()
+    assert adaptive.costs._group == k + 1 and adaptive.costs._saving is not None
+    saving_rows, saved = adaptive.costs._saving
+    assert saving_rows.tolist() == [0, 16, 32, 64] and (saved >= 0).all()
+    profile = llm.engine.runner.profile_step_curve(100, repeats=1, group=k + 1)
+    assert profile.grouped_rows == [16, 32, 64] and profile.grouped is not None and min(profile.grouped) > 0
+    assert profile.group == k + 1
     assert llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     # Past its time budget (a slow CPU) the grid ends at the first point it may past 64 rows; with
     # time to spare it runs to the end.

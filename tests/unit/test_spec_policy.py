@@ -837,16 +837,20 @@ def test_draft_rows_are_priced_as_rows_of_their_requests_sequences() -> None:
     took 43.3. Priced as the latter (the only profile there was), a draft row at 32 requests looked
     twice its cost and the policy drafted nothing where one draft each ran 1.2x faster. With the
     forward also profiled at k + 1 rows to a sequence, a step's shape moves from one curve to the
-    other with its share of draft rows; prompt and decode rows keep the first."""
-    rows = [1, 16, 32, 64, 128]
-    own = [0.010, 0.016, 0.024, 0.040, 0.072]  # 0.5 ms a row past 32 (GEMM + a sequence's attention)
-    grouped = [0.010, 0.014, 0.019, 0.028, 0.046]  # sequences of 4 rows: attention a quarter as often
+    other with its share of draft rows; prompt and decode rows keep the first. What grouping saves
+    (the attention of the sequences it spares) is measured at a few rows and is linear between
+    them, in proportion to the rows beyond."""
+    rows = [1, 16, 32, 64, 128, 256]
+    own = [0.010, 0.016, 0.024, 0.040, 0.072, 0.136]  # 0.5 ms a row past 32 (GEMM + a sequence's attention)
     costs = StepCostModel()
-    costs.set_profile(rows, own, [0.0] * len(rows), grouped, group=4)
+    costs.set_profile(rows, own, [0.0] * len(rows), [16, 32, 64], [0.014, 0.019, 0.028], group=4)
     assert float(costs.shape(64, 0)) == pytest.approx(0.040)  # 64 rows of their own
     assert float(costs.shape(64, 0, 48)) == pytest.approx(0.028)  # 16 requests verifying 3 drafts each
     assert float(costs.shape(64, 0, 32)) == pytest.approx(0.040 - (32 / 48) * 0.012)  # 32 verifying one each
-    assert float(costs.shape(64, 0, 60)) == pytest.approx(0.028)  # never below the grouped curve
+    assert float(costs.shape(64, 0, 60)) == pytest.approx(0.028)  # never below the grouped shape
+    assert float(costs.shape(48, 0, 36)) == pytest.approx(0.032 - (0.005 + 0.012) / 2)  # between the points
+    assert float(costs.shape(8, 0, 6)) == pytest.approx(float(costs.shape(8, 0)) - 0.001)  # towards 0 at 0 rows
+    assert float(costs.shape(256, 0, 192)) == pytest.approx(0.136 - 0.048)  # beyond: in proportion to the rows
     # Served steps: 32 requests take 1.2x the profile whether or not they verify drafts.
     for step in range(256):
         drafts = 32 if step % 2 else 0
@@ -871,11 +875,12 @@ def test_draft_rows_are_priced_as_rows_of_their_requests_sequences() -> None:
 
 
 def test_a_grouped_measurement_above_the_own_rows_curve_is_noise() -> None:
-    """Fewer sequences never read more keys: a grouped point measured above the other curve is
-    taken at it, and the grouped curve never falls."""
+    """Fewer sequences never read more keys: a grouped point measured above the other curve saves
+    nothing (the saving is never negative)."""
     costs = StepCostModel()
-    costs.set_profile([1, 16, 32], [0.010, 0.016, 0.024], [0.0] * 3, [0.010, 0.030, 0.020], group=2)
-    assert costs._grouped is not None and costs._grouped.tolist() == [0.010, 0.016, 0.020]
+    costs.set_profile([1, 16, 32], [0.010, 0.016, 0.024], [0.0] * 3, [16, 32], [0.030, 0.020], group=2)
+    assert costs._saving is not None and costs._saving[1].tolist() == pytest.approx([0.0, 0.0, 0.004])
+    assert float(costs.shape(16, 0, 8)) == pytest.approx(0.016)
     assert float(costs.shape(32, 0, 16)) == pytest.approx(0.020)
 
 
@@ -889,10 +894,14 @@ def test_a_bad_profile_is_refused() -> None:
         costs.set_profile([0, 2], [0.1, 0.2], [0.0, 0.0])
     with pytest.raises(ValueError, match="> 0"):
         costs.set_profile([1, 2], [0.0, 0.2], [0.0, 0.0])
-    with pytest.raises(ValueError, match="grouped profile needs a second > 0 for each of 2 rows"):
-        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [0.1], group=4)
+    with pytest.raises(ValueError, match="grouped profile needs rows and seconds of one length"):
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [1, 2], [0.1], group=4)
+    with pytest.raises(ValueError, match=r"must rise and be profiled rows \(\[1, 2\]\), got \[3\]"):
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [3], [0.1], group=4)
+    with pytest.raises(ValueError, match="grouped profile seconds must be > 0"):
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [2], [0.0], group=4)
     with pytest.raises(ValueError, match="grouped 2 or more to a sequence, got group=1"):
-        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [0.1, 0.1], group=1)
+        costs.set_profile([1, 2], [0.1, 0.2], [0.0, 0.0], [2], [0.1], group=1)
 
 
 @settings(max_examples=200, deadline=None)

@@ -55,7 +55,7 @@ class EngineCore:
             else None
         )
         if self.adaptive is not None and self.runner.expert_shard is None:
-            # The shape of step time against rows, measured now, while nothing else runs (~1-4 s on
+            # The shape of step time against rows, measured now, while nothing else runs (3-5 s on
             # a 135M model on 2 cores; not under expert parallelism, whose forward has partners).
             # Also at k + 1 rows to a sequence, as the drafts are verified.
             self.adaptive.costs.set_step_profile(self.runner.profile_step_curve(

@@ -259,10 +259,11 @@ class ModelRunner:
         retries: int = 2, group: int = 1,
     ) -> StepProfile:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
-        ones, in blocks of its own while the cache has them) and of the lm_head with greedy picks over r rows, for r on the grid `PROFILE_ROWS` up
-        to `max_rows`: the fastest of `repeats` rounds over the grid, after a warm-up round up to 64
-        rows; rounds after the first only while the profile has taken under `budget_seconds` (SmolLM2
-        on 2 AMX cores: 3 rounds, ~2.6 s), and where the first round runs past it (a slow CPU), the
+        ones, in blocks of its own while the cache has them) and of the lm_head with greedy picks
+        over r rows, for r on the grid `PROFILE_ROWS` up to `max_rows`: the fastest of `repeats`
+        rounds over the grid, after a warm-up round up to 64 rows; rounds after the first only
+        while the profile has taken under `budget_seconds` (SmolLM2 on 2 AMX cores: 2-3 rounds,
+        3-5 s), and where the first round runs past it (a slow CPU), the
         grid ends at the next point where it may (``adaptive.profile_may_stop_after``: at least
         64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid). A point
         that took longer than the next larger one is measured again, up to `retries` times.
@@ -276,10 +277,10 @@ class ModelRunner:
         parallelism (the forward's collectives would have no partners on the other ranks).
 
         `group` > 1 (speculation with k = group - 1) also times, at the grid points of
-        `GROUPED_PROFILE_ROWS`, the forward over as many rows held `group` to a sequence (the shape of a verification: a request's
-        drafts follow its token): what a draft row costs against a row of its own sequence. Each
-        sequence's attention reads its keys once whatever its query rows (they share its tiles),
-        so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying one draft each took 38.6 ms
+        `GROUPED_PROFILE_ROWS`, the forward over as many rows held `group` to a sequence (the shape
+        of a verification: a request's drafts follow its token): what a draft row costs against a
+        row of its own sequence. Each sequence's attention reads its keys once whatever its query
+        rows (they share its tiles), so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying one draft each took 38.6 ms
         where 64 requests of one row took 43.3; priced as the latter, the adaptive policy drafted
         nothing at 32 requests where one draft each ran 1.2x faster than none."""
         if self.expert_shard is not None:

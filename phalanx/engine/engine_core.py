@@ -58,7 +58,7 @@ class EngineCore:
             # The shape of step time against rows, measured now, while nothing else runs (3-5 s on
             # a 135M model on 2 cores; not under expert parallelism, whose forward has partners).
             # Also at k + 1 rows to a sequence, as the drafts are verified.
-            self.adaptive.costs.set_step_profile(self.runner.profile_step_curve(
+            self.adaptive.costs.set_profile(*self.runner.profile_step_curve(
                 min(PROFILE_MAX_ROWS, cfg.scheduler.max_num_batched_tokens), group=spec.num_speculative_tokens + 1
             ))
         self.scheduler = Scheduler(

@@ -210,7 +210,8 @@ class StepProfile(NamedTuple):
     the forward over `rows[i]` decode rows of a sequence each (`forward[i]` seconds) and the lm_head
     with greedy picks over as many (`head[i]`); with speculation, `grouped[j]` the forward over
     `grouped_rows[j]` rows (some of `rows`: `GROUPED_PROFILE_ROWS`) held `group` (k + 1) to a
-    sequence, a verification's shape (None: not measured)."""
+    sequence, a verification's shape (None: not measured). Its fields are, in order,
+    `StepCostModel.set_profile`'s arguments."""
 
     rows: list[int]
     forward: list[float]
@@ -371,11 +372,6 @@ class StepCostModel:
             self._group = int(group)
         self._fits.clear()
         self._curves.clear()
-
-    def set_step_profile(self, profile: StepProfile) -> None:
-        """`set_profile` from what ``ModelRunner.profile_step_curve`` returns."""
-        self.set_profile(profile.rows, profile.forward, profile.head, profile.grouped_rows, profile.grouped,
-                         profile.group)
 
     def shape(self, rows: np.ndarray | float, logit_rows: np.ndarray | float,
               draft_rows: np.ndarray | float = 0.0) -> np.ndarray:

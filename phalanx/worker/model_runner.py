@@ -280,17 +280,18 @@ class ModelRunner:
         `GROUPED_PROFILE_ROWS`, the forward over as many rows held `group` to a sequence (the shape
         of a verification: a request's drafts follow its token): what a draft row costs against a
         row of its own sequence. Each sequence's attention reads its keys once whatever its query
-        rows (they share its tiles), so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying one draft each took 38.6 ms
-        where 64 requests of one row took 43.3; priced as the latter, the adaptive policy drafted
-        nothing at 32 requests where one draft each ran 1.2x faster than none."""
+        rows (they share its tiles), so on SmolLM2 (AMX, 150 cached tokens) 32 requests verifying
+        one draft each took 38.6 ms where 64 requests of one row took 43.3; priced as the latter,
+        the adaptive policy drafted nothing at 32 requests where one draft each ran 1.2x faster
+        than none. The result unpacks into ``StepCostModel.set_profile``'s arguments."""
         if self.expert_shard is not None:
             raise RuntimeError("profile_step_curve runs the forward alone: not under expert parallelism")
         # blocks a sequence of `group` rows after `context` cached ones takes (a cache too small for
         # a whole sequence: a shorter context; for a verification's rows: none grouped)
+        group = max(group, 1)
         nb = max(min((context + group + self.block_size - 1) // self.block_size, self.num_blocks), 1)
         if group > nb * self.block_size:
             group = 1
-        group = max(group, 1)
         context = max(min(context, nb * self.block_size - group), 0)
         grid = [r for r in PROFILE_ROWS if r < max_rows] + [max_rows]
         # the verification's shape at a few of them (at the largest where the grid holds none)
@@ -299,11 +300,13 @@ class ModelRunner:
         head: dict[int, float] = {}
         grouped: dict[int, float] = {}
 
-        def measure(r: int) -> None:
+        def measure(r: int, keep: bool = True) -> None:
             t_fwd, t_head = self._time_rows(r, nb, context)
-            fwd[r], head[r] = min(fwd.get(r, math.inf), t_fwd), min(head.get(r, math.inf), t_head)
-            if r in grouped_grid:
-                grouped[r] = min(grouped.get(r, math.inf), self._time_rows(r, nb, context, group)[0])
+            t_grouped = self._time_rows(r, nb, context, group)[0] if r in grouped_grid else math.inf
+            if keep:
+                fwd[r], head[r] = min(fwd.get(r, math.inf), t_fwd), min(head.get(r, math.inf), t_head)
+                if r in grouped_grid:
+                    grouped[r] = min(grouped.get(r, math.inf), t_grouped)
 
         start = time.perf_counter()
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
@@ -312,12 +315,7 @@ class ModelRunner:
             for i, r in enumerate(list(grid)):
                 if rep == 0 and r > PROFILE_MIN_ROWS:  # the warm-up covers the rows always measured
                     continue
-                if rep:
-                    measure(r)
-                else:
-                    self._time_rows(r, nb, context)
-                    if r in grouped_grid:
-                        self._time_rows(r, nb, context, group)
+                measure(r, keep=rep > 0)
                 if (rep == 1 and i + 1 < len(grid) and time.perf_counter() - start > budget_seconds
                         and profile_may_stop_after(grid, i)):
                     grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)

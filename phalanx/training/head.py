@@ -98,6 +98,95 @@ class Attention(nn.Module):
         B, _, T, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
+    def attend_chain(self, q, ks, vs, j: int, chain_ok):
+        """Pass j of the training-time test (``EagleHead.unrolled``): the query at t attends to pass
+        0's keys at positions <= t - j and to one key of each pass i = 1..j, its own chain's, at
+        t - j + i (``chain_ok`` [T, j] bool: that position exists). ``q`` [B, nh, T, hd];
+        ``ks[i]`` / ``vs[i]`` [B, nkv, T, hd]: pass i's keys / values.
+
+        Equal to ``attend`` over the concatenated keys under the dense [T, T * (j + 1)] mask (the
+        tests hold it to that), at a quarter of the work: see `ChainAttention`."""
+        B, nh, T, hd = q.shape
+        g = nh // self.nkv
+        # RoPE's float32 tables promote q and k to float32 under autocast: attend in autocast's
+        # dtype, as SDPA under autocast does (bf16 on CPUs with fast bf16 matmuls)
+        dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+
+        def heads(x):  # [B, nkv, T, ...] -> [B, nh, T, ...]: query head h reads key / value head h // g
+            x = x.to(dt)
+            return x.repeat_interleave(g, dim=1) if g > 1 else x
+
+        # pass i's key for the chain through t sits at t - (j - i): shift it onto t
+        ck = cv = None
+        if j:
+            ck = heads(torch.stack([F.pad(ks[i], (0, 0, j - i, 0))[:, :, :T] for i in range(1, j + 1)], dim=3))
+            cv = heads(torch.stack([F.pad(vs[i], (0, 0, j - i, 0))[:, :, :T] for i in range(1, j + 1)], dim=3))
+        o = ChainAttention.apply(q.to(dt), heads(ks[0]), heads(vs[0]), ck, cv, chain_ok, j, hd ** -0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
+
+
+def _flash(q, k, v, scale: float):
+    """Causal flash attention (ATen's CPU kernel): the output and its logsumexp [B, H, T] (float32)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+
+
+class ChainAttention(torch.autograd.Function):
+    """Softmax attention of each query t over two key sets: pass 0's keys at positions <= t - j
+    (causal, shifted by j: ATen's flash kernel, which skips the masked half and never holds a T x T
+    matrix) and j keys of its own (``ck`` / ``cv`` [B, H, T, j, hd]: the drafting chain's, scored as
+    dot products; ``chain_ok`` [T, j] masks the ones before the sequence). The two parts are joined
+    by their log-sum-exps. Backward: ATen's flash backward given the *joint* output and
+    log-sum-exp yields exactly the first set's share of the joint softmax's gradient; the chain keys'
+    share is computed here. The dense alternative (every pass's keys concatenated under a
+    [T, T * (j + 1)] mask) does 4x the attention work for 3 passes and cannot skip masked blocks."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, ck, cv, chain_ok, j: int, scale: float):  # noqa: ANN001, ANN205
+        with torch.autocast("cpu", enabled=False):
+            B, H, T, hd = q.shape
+            o0 = q.new_zeros(B, H, T, hd)
+            lse0 = torch.full((B, H, T), float("-inf"))
+            if T > j:
+                o_, l_ = _flash(q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j], scale)
+                o0[:, :, j:] = o_
+                lse0[:, :, j:] = l_
+            if j:
+                c = torch.einsum("bhtd,bhtjd->bhtj", q.float(), ck.float()).mul_(scale).masked_fill_(~chain_ok, float("-inf"))
+                lse = torch.logaddexp(lse0, torch.logsumexp(c, dim=-1))
+                pc = torch.exp(c - lse[..., None])  # [B, H, T, j] the chain keys' probabilities
+                out = (torch.exp(lse0 - lse)[..., None] * o0.float()
+                       + torch.einsum("bhtj,bhtjd->bhtd", pc, cv.float())).to(q.dtype)
+            else:
+                lse, pc, out = lse0, None, o0
+        ctx.j, ctx.scale = j, scale
+        ctx.save_for_backward(q, k0, v0, ck, cv, out, lse, pc)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001, ANN205
+        q, k0, v0, ck, cv, out, lse, pc = ctx.saved_tensors
+        j, scale = ctx.j, ctx.scale
+        with torch.autocast("cpu", enabled=False):
+            T = q.shape[2]
+            dout = dout.to(q.dtype).contiguous()
+            dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+            if T > j:
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout[:, :, j:], q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j], out[:, :, j:],
+                    lse[:, :, j:].contiguous(), 0.0, True, scale=scale)
+                dq[:, :, j:] = gq
+                dk0[:, :, : T - j] = gk
+                dv0[:, :, : T - j] = gv
+            dck = dcv = None
+            if j:
+                d32 = dout.float()
+                delta = (d32 * out.float()).sum(-1, keepdim=True)  # [B, H, T, 1], as the flash backward takes it
+                ds = pc * (torch.einsum("bhtd,bhtjd->bhtj", d32, cv.float()) - delta)
+                dq = (dq.float() + scale * torch.einsum("bhtj,bhtjd->bhtd", ds, ck.float())).to(q.dtype)
+                dck = (scale * torch.einsum("bhtj,bhtd->bhtjd", ds, q.float())).to(ck.dtype)
+                dcv = torch.einsum("bhtj,bhtd->bhtjd", pc, d32).to(cv.dtype)
+        return dq, dk0, dv0, dck, dcv, None, None, None
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
@@ -175,9 +264,10 @@ class EagleHead(nn.Module):
         pre = r + lyr.mlp(lyr.post_attention_layernorm(r))
         return pre
 
-    def forward_layers(self, tok, feat, cos, sin, ks: list[list], vs: list[list], mask):
+    def forward_layers(self, tok, feat, cos, sin, ks: list[list], vs: list[list], attend):
         """All layers for one pass: appends each layer's new keys / values to ``ks[li]`` / ``vs[li]``
-        and attends over everything they hold under ``mask``. Returns ``pre`` [B, T, H]."""
+        and attends with ``attend(attention module, q, keys, values)`` over everything they hold.
+        Returns ``pre`` [B, T, H]."""
         h = None
         for li, lyr in enumerate(self.layers):
             if li == 0:
@@ -187,7 +277,7 @@ class EagleHead(nn.Module):
             q, k, v = lyr.self_attn.qkv(x, cos, sin)
             ks[li].append(k)
             vs[li].append(v)
-            h = self.layer_out(lyr.self_attn.attend(q, ks[li], vs[li], mask), res, li)
+            h = self.layer_out(attend(lyr.self_attn, q, ks[li], vs[li]), res, li)
         return h
 
     def causal_forward(self, tok: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
@@ -197,7 +287,8 @@ class EagleHead(nn.Module):
         ks: list[list] = [[] for _ in self.layers]
         vs: list[list] = [[] for _ in self.layers]
         mask = torch.ones(T, T, dtype=torch.bool).tril()
-        return self.forward_layers(tok[None], feat[None], cos[:, None], sin[:, None], ks, vs, mask)[0]
+        return self.forward_layers(tok[None], feat[None], cos[:, None], sin[:, None], ks, vs,
+                                   lambda attn, q, k, v: attn.attend(q, k, v, mask))[0]
 
     def logits(self, pre: torch.Tensor) -> torch.Tensor:
         """Logits over the head's own vocabulary (target vocab for EAGLE-1, draft vocab for EAGLE-3)."""
@@ -231,11 +322,9 @@ class EagleHead(nn.Module):
         outs = []
         feat = feat0
         for j in range(passes):
-            masks = [t[None, :] <= (t[:, None] - j)]          # pass-0 keys
-            for i in range(1, j + 1):
-                masks.append(t[None, :] == (t[:, None] - j + i))
-            mask = torch.cat(masks, dim=1)                     # [T, T*(j+1)]
-            pre = self.forward_layers(tok, feat, cos, sin, ks, vs, mask)
+            chain_ok = t[:, None] >= (j - torch.arange(1, j + 1))[None, :]  # [T, j]: t - j + i >= 0
+            pre = self.forward_layers(tok, feat, cos, sin, ks, vs,
+                                      lambda attn, q, k, v, j=j, c=chain_ok: attn.attend_chain(q, k, v, j, c))
             outs.append(pre)
             # next pass: own output of the previous position replaces the feature
             nxt = torch.cat([feat0[:, :1], pre[:, :-1]], dim=1)

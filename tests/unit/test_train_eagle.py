@@ -456,3 +456,100 @@ def test_objective_equals_the_dense_masked_loss(labels: str, eagle3: bool) -> No
         hits = ((lg.argmax(-1) == lj) & (lj != IGNORE)).sum()
         assert stats.passes[j].correct == int(hits) and stats.passes[j].count == int(m.sum())
     torch.testing.assert_close(loss, total / sum(w), rtol=1e-5, atol=1e-6)
+
+
+def _dense_unrolled(head, tok: torch.Tensor, feat0: torch.Tensor, pos: torch.Tensor, passes: int) -> list[torch.Tensor]:
+    """The training-time test written out with one dense [T, T * (j + 1)] mask per pass (pass 0's
+    keys at <= t - j, then pass i's key at t - j + i): the reference for `EagleHead.unrolled`."""
+    from phalanx.training.head import rope_cos_sin
+
+    T = tok.shape[1]
+    cos, sin = rope_cos_sin(pos, head.layers[0].self_attn.hd, head.cfg["rope_theta"])
+    cos, sin = cos[:, None], sin[:, None]
+    t = torch.arange(T)
+    ks: list[list] = [[] for _ in head.layers]
+    vs: list[list] = [[] for _ in head.layers]
+    outs, feat = [], feat0
+    for j in range(passes):
+        mask = torch.cat([t[None, :] <= t[:, None] - j] + [t[None, :] == t[:, None] - j + i for i in range(1, j + 1)],
+                         dim=1)
+        pre = head.forward_layers(tok, feat, cos, sin, ks, vs, lambda attn, q, k, v, m=mask: attn.attend(q, k, v, m))
+        outs.append(pre)
+        feat = torch.cat([feat0[:, :1], pre[:, :-1]], dim=1)
+    return outs
+
+
+@pytest.mark.parametrize(("eagle3", "layers", "kv_heads", "T"),
+                         [(True, 1, 1, 13), (True, 2, 3, 13), (False, 1, 2, 13), (True, 1, 3, 3)])
+def test_unrolled_passes_equal_the_dense_masked_attention(eagle3: bool, layers: int, kv_heads: int, T: int) -> None:
+    """Pass j's chain keys are scored as diagonals and pass 0's keys by the causal flash kernel
+    (`ChainAttention`), not as j + 1 dense T x T blocks under a mask: the outputs and every
+    parameter's gradient equal the dense reference's, at every position (the first j of pass j,
+    and sequences shorter than the passes, included)."""
+    from phalanx.training.head import EagleHead, head_config
+
+    torch.manual_seed(1)
+    h, v, B = 48, 40, 3
+    tgt = {"hidden_size": h, "num_attention_heads": 6, "num_key_value_heads": kv_heads, "intermediate_size": 40,
+           "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 64}
+    cfg = head_config(tgt, eagle3, 24 if eagle3 else None, [0, 1, 2] if eagle3 else None, num_layers=layers)
+    head = EagleHead(cfg, eagle3, torch.randn(v, h), torch.randn(v, h))
+    tok = torch.randint(0, v, (B, T))
+    feat = head.fuse(torch.randn(B, T, (3 if eagle3 else 1) * h)).detach()
+    pos = (torch.arange(T) + torch.tensor([0, 5, 2])[:, None]).long()  # rows that start mid-sequence, too
+    got = head.unrolled(tok, feat, pos, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 path: flash and chain in bf16
+        low = head.unrolled(tok, feat, pos, 4)
+    params = [p for name, p in head.named_parameters() if "layers" in name]  # what the passes use
+    grads = torch.autograd.grad(sum((o * (j + 1)).sum() for j, o in enumerate(got)), params)
+    want = _dense_unrolled(head, tok, feat, pos, 4)
+    ref = torch.autograd.grad(sum((o * (j + 1)).sum() for j, o in enumerate(want)), params)
+    for a, b, c in zip(got, want, low, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert float((c.float() - b.detach()).abs().max()) < 0.05 * float(b.detach().abs().max())
+    for a, b in zip(grads, ref, strict=True):  # sums over every position and pass: float32 rounding
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_unrolled_pass_j_is_the_jth_draft_of_a_chain_whose_drafts_hit() -> None:
+    """Pass j at position t is what drafting computes for its (j + 1)-th token after a chain started
+    at t - j whose drafts were the true tokens: a causal forward over the true context up to t - j,
+    then the chain's positions fed the true tokens and the head's own outputs as features."""
+    from phalanx.training.head import EagleHead, head_config
+
+    torch.manual_seed(2)
+    h, v, T = 32, 30, 10
+    tgt = {"hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 24,
+           "vocab_size": v, "rms_norm_eps": 1e-5, "max_position_embeddings": 64}
+    head = EagleHead(head_config(tgt, True, 16, [0, 1, 2]), True, torch.randn(v, h), torch.randn(v, h))
+    tok = torch.randint(0, v, (T,))
+    feat = head.fuse(torch.randn(T, 3 * h)).detach()
+    with torch.no_grad():
+        outs = head.unrolled(tok[None], feat[None], torch.arange(T)[None], 3)
+        for t in (3, 6, 9):
+            for j in range(3):
+                s = t - j  # the chain's first position
+                feats, pre = [feat[: s + 1]], None
+                for step in range(j + 1):
+                    pre = head.causal_forward(tok[: s + step + 1], torch.cat(feats))[-1]
+                    feats.append(pre[None])
+                torch.testing.assert_close(outs[j][0, t], pre, rtol=1e-4, atol=1e-5)
+
+
+def test_soft_cross_entropy_equals_log_softmax_and_its_gradient() -> None:
+    """The fused soft-label loss equals -(teacher * log_softmax(logits)).sum() and has its gradient,
+    in float32 and for bf16 logits."""
+    from phalanx.training.objective import soft_cross_entropy
+
+    torch.manual_seed(3)
+    teacher = torch.softmax(torch.randn(7, 50) * 3, dim=-1)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        logits = (torch.randn(7, 50) * 4).to(dtype).requires_grad_()
+        ref_logits = logits.detach().float().requires_grad_()
+        got = soft_cross_entropy(logits, teacher)
+        want = -(teacher * torch.log_softmax(ref_logits, dim=-1)).sum()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        (got * 0.5).backward()
+        (want * 0.5).backward()
+        assert logits.grad.dtype == dtype
+        torch.testing.assert_close(logits.grad.float(), ref_logits.grad, rtol=tol, atol=tol)

@@ -537,14 +537,14 @@ def test_unrolled_pass_j_is_the_jth_draft_of_a_chain_whose_drafts_hit() -> None:
 
 
 def test_soft_cross_entropy_equals_log_softmax_and_its_gradient() -> None:
-    """The fused soft-label loss equals -(teacher * log_softmax(logits)).sum() and has its gradient,
-    in float32 and for bf16 logits."""
+    """The fused soft-label loss, taken a piece of rows at a time, equals
+    -(teacher * log_softmax(logits)).sum() and has its gradient, in float32 and for bf16 logits."""
     from phalanx.training.objective import soft_cross_entropy
 
     torch.manual_seed(3)
-    teacher = torch.softmax(torch.randn(7, 50) * 3, dim=-1)
+    teacher = torch.softmax(torch.randn(300, 50) * 3, dim=-1)  # 300 rows: pieces of 128, 128 and 44
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        logits = (torch.randn(7, 50) * 4).to(dtype).requires_grad_()
+        logits = (torch.randn(300, 50) * 4).to(dtype).requires_grad_()
         ref_logits = logits.detach().float().requires_grad_()
         got = soft_cross_entropy(logits, teacher)
         want = -(teacher * torch.log_softmax(ref_logits, dim=-1)).sum()

@@ -2,7 +2,7 @@
 
 Owns: finding the weight files of a Hugging Face folder, streaming (Hugging Face name, tensor)
 pairs from either format (GGUF tensors are dequantized and renamed by ``phalanx.gguf_file``), and
-`release_load_buffers` (giving the heap that loading freed back to the OS).
+`release_load_buffers` (giving the heap that loading freed back to the OS; `trim_heap`).
 Does not own: name mapping to phalanx's parameters (each model's `load_weights`).
 """
 
@@ -57,14 +57,20 @@ def _libc_malloc_trim():  # noqa: ANN202
         return None
 
 
-def release_load_buffers() -> bool:
-    """Return the heap that loading freed (dequantized / converted copies of every weight, packing
-    buffers) to the OS: glibc keeps freed chunks of its arenas mapped, ~100 MB for a 135M-parameter
-    GGUF, which would otherwise stay in the engine's resident set for its whole life. Call once
-    after the model (and drafter) are loaded, before the KV cache. False where the C library has no
-    ``malloc_trim``."""
+def trim_heap() -> bool:
+    """Give the free chunks of glibc's heap arenas back to the OS (``malloc_trim``): glibc keeps
+    freed memory mapped, so a process whose tensors change size from one use to the next holds
+    far more than it uses. False where the C library has no ``malloc_trim``."""
     trim = _libc_malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
+
+
+def release_load_buffers() -> bool:
+    """Return the heap that loading freed (dequantized / converted copies of every weight, packing
+    buffers) to the OS (`trim_heap`): ~100 MB for a 135M-parameter GGUF, which would otherwise stay
+    in the engine's resident set for its whole life. Call once after the model (and drafter) are
+    loaded, before the KV cache. False where the C library has no ``malloc_trim``."""
+    return trim_heap()

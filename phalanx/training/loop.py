@@ -56,6 +56,9 @@ class LoopConfig:
     checkpoint_every: int = 0  # call the checkpoint hook every this many steps (0: never)
     desc: str = "train"
     lr_floor: float = 0.1
+    # give glibc's freed heap back to the OS every this many steps (0: never): batches of different
+    # shapes leave its arenas fragmented, and the resident set grows step after step without it
+    trim_every: int = 10
     curve_offset: int = 0  # added to step numbers in the curves (a later stage continues an earlier one's)
 
     def __post_init__(self) -> None:
@@ -140,6 +143,19 @@ class TrainLoop(Generic[B]):
         if self.checkpoint_fn is not None and self.cfg.checkpoint_every > 0 and (step + 1) % self.cfg.checkpoint_every == 0:
             self.checkpoint_fn(state)
 
+    def maybe_trim(self, step: int) -> None:
+        """Every `trim_every` steps, the freed heap back to the OS. Measured on SmolLM2's EAGLE-3
+        head (4,096-token batches, 2 threads, Intel Xeon with AMX): without it the resident set
+        after a step grew from 3.8 GB at step 20 to 6.6 GB at step 120, and to 10.4 GB at step 818
+        of a 6,000-prompt run; with it, 1.3-2.0 GB right after a trim and a peak between trims of
+        4.4 GB over the first 50 steps, 5.9 GB over steps 250-300 (still creeping, far slower). A
+        step is no slower (1.17-1.39 s against 1.24-1.49 s); a trim after every step held the peak
+        at 3.5 GB over 60 steps but cost up to ~15 % of the step time in some runs."""
+        if self.cfg.trim_every > 0 and (step + 1) % self.cfg.trim_every == 0:
+            from phalanx.models.loader import trim_heap
+
+            trim_heap()
+
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, state: LoopState | None = None, progress: bool = True) -> LoopState:
         from tqdm.auto import tqdm
@@ -159,6 +175,7 @@ class TrainLoop(Generic[B]):
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.3f} {note}".rstrip(), refresh=False)
                 self.maybe_eval(step, state)
+                self.maybe_trim(step)
                 state.seconds += time.perf_counter() - t0
                 self.maybe_checkpoint(step, state)
         finally:

@@ -125,9 +125,10 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
 
 
-def _flash(q, k, v, scale: float):
-    """Causal flash attention (ATen's CPU kernel): the output and its logsumexp [B, H, T] (float32)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+# ATen's CPU flash attention: (q, k, v, dropout, causal, scale=) -> (output, logsumexp [B, H, T] float32),
+# and its backward: (dout, q, k, v, out, logsumexp, dropout, causal, scale=) -> (dq, dk, dv)
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class ChainAttention(torch.autograd.Function):
@@ -144,20 +145,21 @@ class ChainAttention(torch.autograd.Function):
     def forward(ctx, q, k0, v0, ck, cv, chain_ok, j: int, scale: float):  # noqa: ANN001, ANN205
         with torch.autocast("cpu", enabled=False):
             B, H, T, hd = q.shape
-            o0 = q.new_zeros(B, H, T, hd)
-            lse0 = torch.full((B, H, T), float("-inf"))
-            if T > j:
-                o_, l_ = _flash(q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j], scale)
-                o0[:, :, j:] = o_
-                lse0[:, :, j:] = l_
-            if j:
+            if not j:  # pass 0: plain causal attention
+                out, lse = _FLASH(q, k0, v0, 0.0, True, scale=scale)
+                pc = None
+            else:
+                o0 = q.new_zeros(B, H, T, hd)
+                lse0 = torch.full((B, H, T), float("-inf"))
+                if T > j:
+                    o_, l_ = _FLASH(q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j], 0.0, True, scale=scale)
+                    o0[:, :, j:] = o_
+                    lse0[:, :, j:] = l_
                 c = torch.einsum("bhtd,bhtjd->bhtj", q.float(), ck.float()).mul_(scale).masked_fill_(~chain_ok, float("-inf"))
                 lse = torch.logaddexp(lse0, torch.logsumexp(c, dim=-1))
                 pc = torch.exp(c - lse[..., None])  # [B, H, T, j] the chain keys' probabilities
                 out = (torch.exp(lse0 - lse)[..., None] * o0.float()
                        + torch.einsum("bhtj,bhtjd->bhtd", pc, cv.float())).to(q.dtype)
-            else:
-                lse, pc, out = lse0, None, o0
         ctx.j, ctx.scale = j, scale
         ctx.save_for_backward(q, k0, v0, ck, cv, out, lse, pc)
         return out
@@ -169,22 +171,23 @@ class ChainAttention(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):
             T = q.shape[2]
             dout = dout.to(q.dtype).contiguous()
+            if not j:
+                dq, dk0, dv0 = _FLASH_BACKWARD(dout, q, k0, v0, out, lse, 0.0, True, scale=scale)
+                return dq, dk0, dv0, None, None, None, None, None
             dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
             if T > j:
-                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    dout[:, :, j:], q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j], out[:, :, j:],
-                    lse[:, :, j:].contiguous(), 0.0, True, scale=scale)
+                gq, gk, gv = _FLASH_BACKWARD(dout[:, :, j:], q[:, :, j:], k0[:, :, : T - j], v0[:, :, : T - j],
+                                             out[:, :, j:], lse[:, :, j:].contiguous(), 0.0, True, scale=scale)
                 dq[:, :, j:] = gq
                 dk0[:, :, : T - j] = gk
                 dv0[:, :, : T - j] = gv
-            dck = dcv = None
-            if j:
-                d32 = dout.float()
-                delta = (d32 * out.float()).sum(-1, keepdim=True)  # [B, H, T, 1], as the flash backward takes it
-                ds = pc * (torch.einsum("bhtd,bhtjd->bhtj", d32, cv.float()) - delta)
-                dq = (dq.float() + scale * torch.einsum("bhtj,bhtjd->bhtd", ds, ck.float())).to(q.dtype)
-                dck = (scale * torch.einsum("bhtj,bhtd->bhtjd", ds, q.float())).to(ck.dtype)
-                dcv = torch.einsum("bhtj,bhtd->bhtjd", pc, d32).to(cv.dtype)
+            # the chain keys' share of the joint softmax's gradient
+            d32 = dout.float()
+            delta = (d32 * out.float()).sum(-1, keepdim=True)  # [B, H, T, 1], as the flash backward takes it
+            ds = pc * (torch.einsum("bhtd,bhtjd->bhtj", d32, cv.float()) - delta)
+            dq = (dq.float() + scale * torch.einsum("bhtj,bhtjd->bhtd", ds, ck.float())).to(q.dtype)
+            dck = (scale * torch.einsum("bhtj,bhtd->bhtjd", ds, q.float())).to(ck.dtype)
+            dcv = torch.einsum("bhtj,bhtd->bhtjd", pc, d32).to(cv.dtype)
         return dq, dk0, dv0, dck, dcv, None, None, None
 
 

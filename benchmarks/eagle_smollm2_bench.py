@@ -2,7 +2,8 @@
 phalanx, n-gram (k = 3), the committed EAGLE-3 head (k = 3) and, when its venv is given, llama.cpp
 serving a bf16 GGUF of the same weights. Every system is measured in the same run, round-robin per
 repeat (the machine is shared: compare ratios within a run), with `phalanx bench serve` sending greedy
-chat requests built from held-out prompts of the built-in prompt set (never trained on). Also reads
+chat requests: the held-out conversations of the head's built-in prompt set (6,000 prompts, seed 0;
+never trained on), each sent whole (its system message too, where it has one). Also reads
 the acceptance per draft position from each speculative server's /metrics. Writes a JSON file and a
 plot; asserts nothing.
 
@@ -39,12 +40,12 @@ SYSTEMS = {
 def write_prompts(path: Path, n: int) -> None:
     from phalanx.training.prompts import builtin_prompt_set
 
-    held = builtin_prompt_set(4000, seed=0).held_out
+    held = builtin_prompt_set(6000, seed=0).held_out
     if len(held) < n:
         raise SystemExit(f"only {len(held)} held-out prompts")
     with open(path, "w") as f:
         for conv in held[:n]:
-            f.write(json.dumps({"prompt": conv[-1]["content"]}) + "\n")
+            f.write(json.dumps({"messages": conv}) + "\n")
 
 
 def per_position(url: str) -> list[float]:

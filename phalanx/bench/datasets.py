@@ -3,7 +3,7 @@
 Owns: `BenchPrompt` (prompt as text or token ids, its length, the output length to ask for),
 `random_prompts` (vLLM's `--dataset-name random` semantics: lengths drawn uniformly from
 [len * (1 - range_ratio), len * (1 + range_ratio)]) and `load_jsonl` (one prompt per line, from a
-`question` / `prompt` / `text` field).
+`question` / `prompt` / `text` field, or a whole chat conversation from a `messages` list).
 Does not own: sending prompts (``serve``, ``offline``).
 
 Random prompts are token ids when the caller can send ids (completions, offline); for chat they are
@@ -30,6 +30,9 @@ class BenchPrompt:
     prompt: str | list[int]
     prompt_len: int  # tokens (exact for ids / tokenizer-decoded text, estimated otherwise)
     output_len: int | None  # None: let the server decide (dataset prompts without --output-len)
+    # A chat conversation ({"role", "content"} dicts), sent as it is to a chat endpoint; `prompt` is then
+    # its rendering by the tokenizer's chat template, or its contents joined without a tokenizer.
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator) -> list[int]:
@@ -85,12 +88,16 @@ def load_jsonl(
     fields: Sequence[str] = PROMPT_FIELDS,
     tokenizer: Any | None = None,
 ) -> list[BenchPrompt]:
-    """Prompts from a JSONL file, in file order; the first of `fields` present in each line is used.
+    """Prompts from a JSONL file, in file order; the first of `fields` present in each line is used,
+    or a line's `messages` (a chat conversation: a list of {"role", "content"} objects, roles system /
+    user / assistant) where it has one.
 
-    Lines that are blank are skipped; a line without any of the fields is an error naming the line.
-    If `num_prompts` exceeds the file, prompts are cycled (as vLLM oversamples).
+    Lines that are blank are skipped; a line without any of the fields, or with malformed messages,
+    is an error naming the line. If `num_prompts` exceeds the file, prompts are cycled (as vLLM
+    oversamples).
     """
     texts: list[str] = []
+    convs: list[tuple[dict[str, str], ...] | None] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -99,19 +106,50 @@ def load_jsonl(
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if isinstance(row, dict) and "messages" in row:
+                conv = _messages(row["messages"], f"{path}:{lineno}")
+                texts.append(_render(conv, tokenizer))
+                convs.append(conv)
+                continue
             field_name = next((k for k in fields if isinstance(row, dict) and isinstance(row.get(k), str)), None)
             if field_name is None:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(f"{path}:{lineno}: no string field among {list(fields)}; got {keys}")
             texts.append(row[field_name])
+            convs.append(None)
     if not texts:
         raise ValueError(f"{path}: no prompts")
     n = len(texts) if num_prompts is None else num_prompts
-    chosen = [texts[i % len(texts)] for i in range(n)]
+    chosen = [i % len(texts) for i in range(n)]
 
-    def length(t: str) -> int:
-        if tokenizer is not None:
-            return len(tokenizer(t).input_ids)
-        return max(1, len(t.split()))  # a rough estimate; only used for input-token totals
+    def length(i: int) -> int:
+        if tokenizer is not None:  # a rendered chat carries its special tokens as text
+            return len(tokenizer(texts[i], add_special_tokens=convs[i] is None).input_ids)
+        return max(1, len(texts[i].split()))  # a rough estimate; only used for input-token totals
 
-    return [BenchPrompt(t, length(t), output_len) for t in chosen]
+    return [BenchPrompt(texts[i], length(i), output_len, convs[i]) for i in chosen]
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects")
+    out = []
+    for k, m in enumerate(value):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: messages[{k}] must be {{\"role\": one of {list(ROLES)}, "
+                             f"\"content\": a string}}; got {m!r:.80}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return tuple(out)
+
+
+def _render(conv: tuple[dict[str, str], ...], tokenizer: Any | None) -> str:
+    """The prompt text a chat endpoint builds from `conv` (the tokenizer's chat template), or, without
+    a tokenizer or template, the contents joined (for the input-token estimate only)."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
+        from phalanx.engine.tokenizer import render_chat
+
+        return render_chat(tokenizer, list(conv))
+    return "\n".join(m["content"] for m in conv)

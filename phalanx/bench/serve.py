@@ -71,7 +71,9 @@ def request_body(args: argparse.Namespace, prompt: BenchPrompt) -> dict[str, Any
     if args.request_seed is not None:
         body["seed"] = args.request_seed
     if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt.prompt}]
+        body["messages"] = list(prompt.messages) if prompt.messages else [{"role": "user", "content": prompt.prompt}]
+    elif prompt.messages:
+        raise ValueError("a dataset row with 'messages' is a chat conversation: send it with --endpoint chat")
     else:
         body["prompt"] = prompt.prompt
     return body
@@ -149,7 +151,10 @@ def build_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
 
         tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset:
-        return load_jsonl(args.dataset, args.num_prompts, args.output_len, tokenizer=tokenizer)
+        prompts = load_jsonl(args.dataset, args.num_prompts, args.output_len, tokenizer=tokenizer)
+        if args.endpoint != "chat" and any(p.messages for p in prompts):
+            raise ValueError(f"{args.dataset} has rows with 'messages' (chat conversations): use --endpoint chat")
+        return prompts
     as_ids = args.endpoint == "completions" and not args.text_prompts
     return random_prompts(
         args.num_prompts,
@@ -264,7 +269,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--label", default=None, help="a name for this run, stored in --json output")
     g = p.add_argument_group("prompts")
-    g.add_argument("--dataset", default=None, help="JSONL with a question/prompt/text field (default: random)")
+    g.add_argument("--dataset", default=None, help="JSONL with a question/prompt/text field or a chat 'messages' list (default: random)")
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--input-len", type=int, default=128, help="random prompts: tokens per prompt")
     g.add_argument("--output-len", type=int, default=None,

@@ -119,6 +119,42 @@ def test_jsonl_loader_fields_cycling_and_errors(tmp_path) -> None:
         load_jsonl(tmp_path / "broken.jsonl")
 
 
+def test_jsonl_chat_conversations_are_sent_whole(tmp_path) -> None:
+    import argparse
+
+    from phalanx.bench.offline import _engine_input
+    from phalanx.engine.tokenizer import load_tokenizer, render_chat
+
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 * 7 - 5?"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"prompt": "Say hi"}) + "\n")
+    got = load_jsonl(path, num_prompts=3)
+    assert got[0].messages == tuple(conv) and got[1].messages is None and got[2].messages == tuple(conv)
+    assert got[0].prompt == "Be brief.\nWhat is 12 * 7 - 5?"  # no tokenizer: the contents, for the estimate
+    args = argparse.Namespace(model="m", temperature=0.0, ignore_eos=False, request_seed=None, endpoint="chat")
+    assert request_body(args, got[0])["messages"] == conv
+    assert request_body(args, got[1])["messages"] == [{"role": "user", "content": "Say hi"}]
+    args.endpoint = "completions"
+    with pytest.raises(ValueError, match="--endpoint chat"):
+        request_body(args, got[0])
+
+    # With a tokenizer: the prompt is the chat template's rendering, counted and fed as LLM.chat feeds it.
+    tok = load_tokenizer("phalanx-math")
+    text = render_chat(tok, conv)
+    with_tok = load_jsonl(path, tokenizer=tok)
+    ids = list(tok(text, add_special_tokens=False).input_ids)
+    assert with_tok[0].prompt == text and with_tok[0].prompt_len == len(ids)
+    assert _engine_input(with_tok[0], tok) == {"prompt_token_ids": ids}
+    assert _engine_input(with_tok[1], tok) == {"prompt": "Say hi"}
+
+    for bad_messages, match in (([], "non-empty list"), ([{"role": "robot", "content": "x"}], r"messages\[0\]"),
+                                ([{"role": "user", "content": 3}], r"messages\[0\]"), ("hi", "non-empty list")):
+        bad = tmp_path / "bad_chat.jsonl"
+        bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": bad_messages}) + "\n")
+        with pytest.raises(ValueError, match=rf"bad_chat.jsonl:2: .*{match}"):
+            load_jsonl(bad)
+
+
 def test_demo_eval_split_loads() -> None:
     got = load_jsonl("evals/phalanx-math/phalanx_math_test.jsonl", num_prompts=3)
     assert len(got) == 3 and all(p.prompt for p in got)

@@ -323,3 +323,33 @@ def test_config_json_records_the_source(tmp_path: Path) -> None:
     converted = json.loads((gguf_conversion(gguf_path) / "config.json").read_text())
     assert converted["architectures"] == ["Qwen3ForCausalLM"]
     assert converted["gguf"]["architecture"] == "qwen3" and "Q8_0" in converted["gguf"]["tensor_types"]
+
+
+def test_bf16_rewrite_for_llama_cpp_serves_the_same_numbers(tmp_path: Path) -> None:
+    """benchmarks/gguf_to_bf16.py (the bf16 GGUF llama.cpp is benchmarked on): same config, tokenizer
+    and chat template, and in bf16 the same tokens and logprobs as the quantized file it came from."""
+    from benchmarks.gguf_to_bf16 import convert
+
+    arch = "LlamaForCausalLM"
+    quantized, _ = write_gguf(_model(tmp_path, arch), arch, "Q8_0", tmp_path / "gguf")
+    bf16 = tmp_path / "bf16.gguf"
+    convert(str(quantized), str(bf16))
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    types = {t.name: t.tensor_type for t in GGUFReader(str(bf16)).tensors}
+    assert types["token_embd.weight"] == GGMLQuantizationType.BF16
+    assert types["output_norm.weight"] == GGMLQuantizationType.F32
+    a, b = ModelConfig.from_hf(str(quantized), "bfloat16"), ModelConfig.from_hf(str(bf16), "bfloat16")
+    assert (a.num_heads, a.num_kv_heads, a.rope_theta, a.vocab_size) == (b.num_heads, b.num_kv_heads, b.rope_theta,
+                                                                         b.vocab_size)
+
+    def run(model: Path) -> list[tuple[list[int], list[float]]]:
+        llm = LLM(str(model), dtype="bfloat16", max_model_len=64, num_kv_blocks=16)
+        assert llm.get_tokenizer().chat_template == CHAT_TEMPLATE
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                              o.outputs[0].logprobs, strict=True)])
+                for o in outs]
+
+    assert run(bf16) == run(quantized)

@@ -23,9 +23,10 @@ from tests.real_model import messages, smollm2_gguf
 
 HEAD = "smollm2-135m-instruct-eagle3"
 SPEC = json.dumps({"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3})
-# The head measured 2.17 at k = 3 on 32 held-out conversations of up to 256 tokens and 2.32 on these
-# 8 prompts at 128 tokens (docs/train-eagle.md); an untrained head accepts almost nothing (~1.0).
-MIN_ACCEPTANCE_LENGTH = 2.0
+# The head measures 2.51 at k = 3 on the 300 held-out conversations of up to 256 tokens
+# (docs/train-eagle.md) and, on these 8 prompts at 128 tokens, 2.52 on the GEMM's AMX path and 2.38 on
+# its AVX512-BF16 and AVX2 paths (their answers differ); an untrained head accepts almost nothing (~1.0).
+MIN_ACCEPTANCE_LENGTH = 2.2
 
 
 def held_out_prompts(n: int) -> list[str]:

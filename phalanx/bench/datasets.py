@@ -31,7 +31,8 @@ class BenchPrompt:
     prompt_len: int  # tokens (exact for ids / tokenizer-decoded text, estimated otherwise)
     output_len: int | None  # None: let the server decide (dataset prompts without --output-len)
     # A chat conversation ({"role", "content"} dicts), sent as it is to a chat endpoint; `prompt` is then
-    # its rendering by the tokenizer's chat template, or its contents joined without a tokenizer.
+    # the token ids of its rendering by the tokenizer's chat template (what a chat endpoint feeds the
+    # model), or, without a tokenizer, its contents joined (for the input-token estimate only).
     messages: tuple[dict[str, str], ...] | None = None
 
 
@@ -96,7 +97,7 @@ def load_jsonl(
     is an error naming the line. If `num_prompts` exceeds the file, prompts are cycled (as vLLM
     oversamples).
     """
-    texts: list[str] = []
+    texts: list[str | list[int]] = []
     convs: list[tuple[dict[str, str], ...] | None] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -108,7 +109,10 @@ def load_jsonl(
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
             if isinstance(row, dict) and "messages" in row:
                 conv = _messages(row["messages"], f"{path}:{lineno}")
-                texts.append(_render(conv, tokenizer))
+                try:
+                    texts.append(_render(conv, tokenizer))
+                except ValueError as e:  # a tokenizer without a chat template
+                    raise ValueError(f"{path}:{lineno}: {e}") from e
                 convs.append(conv)
                 continue
             field_name = next((k for k in fields if isinstance(row, dict) and isinstance(row.get(k), str)), None)
@@ -123,9 +127,12 @@ def load_jsonl(
     chosen = [i % len(texts) for i in range(n)]
 
     def length(i: int) -> int:
-        if tokenizer is not None:  # a rendered chat carries its special tokens as text
-            return len(tokenizer(texts[i], add_special_tokens=convs[i] is None).input_ids)
-        return max(1, len(texts[i].split()))  # a rough estimate; only used for input-token totals
+        t = texts[i]
+        if isinstance(t, list):
+            return len(t)
+        if tokenizer is not None:
+            return len(tokenizer(t).input_ids)
+        return max(1, len(t.split()))  # a rough estimate; only used for input-token totals
 
     return [BenchPrompt(texts[i], length(i), output_len, convs[i]) for i in chosen]
 
@@ -145,11 +152,11 @@ def _messages(value: Any, where: str) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _render(conv: tuple[dict[str, str], ...], tokenizer: Any | None) -> str:
-    """The prompt text a chat endpoint builds from `conv` (the tokenizer's chat template), or, without
-    a tokenizer or template, the contents joined (for the input-token estimate only)."""
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None:
-        from phalanx.engine.tokenizer import render_chat
+def _render(conv: tuple[dict[str, str], ...], tokenizer: Any | None) -> str | list[int]:
+    """The token ids a chat endpoint (and `LLM.chat`) feeds the model for `conv`: the chat template's
+    rendering, tokenized without adding special tokens. Without a tokenizer, the contents joined."""
+    if tokenizer is None:
+        return "\n".join(m["content"] for m in conv)
+    from phalanx.engine.tokenizer import render_chat
 
-        return render_chat(tokenizer, list(conv))
-    return "\n".join(m["content"] for m in conv)
+    return list(tokenizer(render_chat(tokenizer, list(conv)), add_special_tokens=False).input_ids)

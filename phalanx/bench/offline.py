@@ -77,20 +77,10 @@ def _vocab(llm: Any) -> tuple[Any, int]:
     return llm.get_tokenizer(), int(llm.config.model.vocab_size)
 
 
-def _engine_input(p: BenchPrompt, tokenizer: Any) -> dict[str, Any]:
-    if isinstance(p.prompt, list):
-        return {"prompt_token_ids": p.prompt}
-    if p.messages:  # `prompt` is the chat template's rendering: its special tokens are in the text
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the dataset has chat 'messages' rows, but this model's tokenizer has no chat template")
-        return {"prompt_token_ids": list(tokenizer(p.prompt, add_special_tokens=False).input_ids)}
-    return {"prompt": p.prompt}
-
-
-def _engine_inputs(prompts: list[BenchPrompt], tokenizer: Any = None) -> tuple[list[dict[str, Any]], list[Any]]:
+def _engine_inputs(prompts: list[BenchPrompt]) -> tuple[list[dict[str, Any]], list[Any]]:
     from phalanx import SamplingParams
 
-    inputs = [_engine_input(p, tokenizer) for p in prompts]
+    inputs = [{"prompt_token_ids": p.prompt} if isinstance(p.prompt, list) else {"prompt": p.prompt} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=p.output_len, ignore_eos=True) for p in prompts]
     return inputs, params
 
@@ -154,7 +144,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prompts = random_prompts(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
                                  as_ids=True, vocab_size=vocab, tokenizer=tokenizer)
-    inputs, params = _engine_inputs(prompts, tokenizer)
+    inputs, params = _engine_inputs(prompts)
     from phalanx import SamplingParams
 
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -122,7 +122,7 @@ def test_jsonl_loader_fields_cycling_and_errors(tmp_path) -> None:
 def test_jsonl_chat_conversations_are_sent_whole(tmp_path) -> None:
     import argparse
 
-    from phalanx.bench.offline import _engine_input
+    from phalanx.bench.offline import _engine_inputs
     from phalanx.engine.tokenizer import load_tokenizer, render_chat
 
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 * 7 - 5?"}]
@@ -143,9 +143,13 @@ def test_jsonl_chat_conversations_are_sent_whole(tmp_path) -> None:
     text = render_chat(tok, conv)
     with_tok = load_jsonl(path, tokenizer=tok)
     ids = list(tok(text, add_special_tokens=False).input_ids)
-    assert with_tok[0].prompt == text and with_tok[0].prompt_len == len(ids)
-    assert _engine_input(with_tok[0], tok) == {"prompt_token_ids": ids}
-    assert _engine_input(with_tok[1], tok) == {"prompt": "Say hi"}
+    assert with_tok[0].prompt == ids and with_tok[0].prompt_len == len(ids)
+    assert request_body(argparse.Namespace(**{**vars(args), "endpoint": "chat"}), with_tok[0])["messages"] == conv
+    inputs, _ = _engine_inputs(with_tok)
+    assert inputs == [{"prompt_token_ids": ids}, {"prompt": "Say hi"}]
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: .*no chat template"):
+        load_jsonl(path, tokenizer=tok)
 
     for bad_messages, match in (([], "non-empty list"), ([{"role": "robot", "content": "x"}], r"messages\[0\]"),
                                 ([{"role": "user", "content": 3}], r"messages\[0\]"), ("hi", "non-empty list")):

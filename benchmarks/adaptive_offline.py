@@ -1,12 +1,17 @@
-"""Adaptive drafting against a fixed draft length, offline, both engines in ONE process: a static
-engine (k = the method's k) whose requests are capped at --cap drafts (what `k = cap` serves), the
+"""Adaptive drafting against fixed draft lengths, offline, both engines in ONE process: a static
+engine (k = the method's k) whose requests are capped at each --cap (what `k = cap` serves), the
 same engine with requests opted out (plain decoding), an adaptive engine, and its requests opted
 out, rounds alternating in order and reversed. Held-out chat prompts of the built-in prompt set
-(never trained on), --concurrency at a time. Prints tok/s per round and the medians, and the draft
-lengths the adaptive engine chose each round. Served runs (`adaptive_spec.py`) add the API
-server and a process per engine; this isolates the engine and the policy.
+(never trained on), --concurrency at a time. Prints tok/s per round and the medians, the draft
+lengths the adaptive engine chose each round, and the acceptance per draft position: what the
+static engine's requests accepted at the largest cap (every request drafting alike), the rates
+the adaptive engine prices a request without counts of its own at (``AcceptanceStats.engine_rates``)
+and what its deep drafts, drafted for the requests it chose, accepted (the positions' own tests,
+pooled). Served runs (`adaptive_spec.py`) add the API server and a process per engine; this
+isolates the engine and the policy.
 
     python benchmarks/adaptive_offline.py --concurrency 16 --rounds 4
+    python benchmarks/adaptive_offline.py --concurrency 32 --rounds 4 --cap 1,2,3
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 2 --only adaptive   # one engine
 """
 
@@ -29,13 +34,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=None, help="requests a round (default: 2 x concurrency)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--cap", type=int, default=1, help="the static engine's per-request draft length")
+    ap.add_argument("--cap", default="1", help="the static engine's per-request draft lengths (e.g. 1,2,3)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--only", choices=("adaptive", "static", "plain"), default=None,
                     help="one engine alone: the adaptive one, the static one capped at --cap, or one without "
                          "a drafter (to compare two builds process by process, e.g. one on PYTHONPATH)")
     args = ap.parse_args()
     spec = json.loads(args.spec)
+    caps = [int(c) for c in args.cap.split(",")]
     held = builtin_prompt_set(4000, seed=0).held_out
     n = args.prompts or 2 * args.concurrency
     if len(held) < n:
@@ -46,14 +52,14 @@ def main() -> None:
         modes = {"plain": (LLM(args.model, max_num_seqs=args.concurrency), {})}
     elif args.only == "static":
         static = LLM(args.model, speculative_config=spec, max_num_seqs=args.concurrency)
-        modes = {f"k={args.cap}@static": (static, {"num_speculative_tokens": args.cap})}
+        modes = {f"k={c}@static": (static, {"num_speculative_tokens": c}) for c in caps}
     else:
         adaptive = LLM(args.model, speculative_config=dict(spec, adaptive=True), max_num_seqs=args.concurrency)
         modes = {"adaptive": (adaptive, {})}
         if args.only is None:
             static = LLM(args.model, speculative_config=spec, max_num_seqs=args.concurrency)
             modes = {
-                f"k={args.cap}@static": (static, {"num_speculative_tokens": args.cap}),
+                **{f"k={c}@static": (static, {"num_speculative_tokens": c}) for c in caps},
                 "plain@static": (static, {"speculative": False}),
                 "adaptive": (adaptive, {}),
                 "plain@adaptive": (adaptive, {"speculative": False}),
@@ -63,13 +69,21 @@ def main() -> None:
     rates: dict[str, list[float]] = {name: [] for name in modes}
     seen = list(adaptive.engine.scheduler.spec_draft_lengths) if adaptive is not None else []
     chosen: list[int] | None = None
+    deepest = f"k={max(caps)}@static"
+    verified, accepted = 0, [0] * max(caps)  # the deepest cap's verifications, accepted per position
     for r in range(args.rounds):
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for name, (llm, extra) in order:
             sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, **extra)
+            before = llm.engine.stats()
             start = time.perf_counter()
             outs = llm.chat(msgs, sp, use_tqdm=False)
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+            if name == deepest:
+                after = llm.engine.stats()
+                verified += after.spec_num_drafts - before.spec_num_drafts
+                for j in range(len(accepted)):
+                    accepted[j] += after.spec_accepted_per_pos[j] - before.spec_accepted_per_pos[j]
             if llm is adaptive:  # its opted-out round counts decisions of 0 too: kept apart
                 now = list(adaptive.engine.scheduler.spec_draft_lengths)
                 if name == "adaptive":
@@ -79,9 +93,23 @@ def main() -> None:
               + (f"; adaptive's draft lengths 0..k: {chosen}" if chosen is not None else ""), flush=True)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     line = "medians: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()) + " tok/s"
-    if "adaptive" in medians and f"k={args.cap}@static" in medians:
-        line += f"; adaptive / k={args.cap}@static {medians['adaptive'] / medians[f'k={args.cap}@static']:.3f}"
+    others = [k for k in medians if k.endswith("@static")]
+    if "adaptive" in medians and others:
+        best = max(others, key=lambda k: medians[k])
+        paired = statistics.median(a / max(rates[k][i] for k in others) for i, a in enumerate(rates["adaptive"]))
+        line += f"; adaptive / {best} {medians['adaptive'] / medians[best]:.3f}, paired by round {paired:.3f}"
     print(line, flush=True)
+    if verified:  # conditional rate at j: accepted at j over accepted at j - 1 (all drafted the cap)
+        conditional = [a / (accepted[j - 1] if j else verified) for j, a in enumerate(accepted) if (accepted[j - 1] if j else verified)]
+        print(f"{deepest}: acceptance per position, every request drafting {max(caps)}: "
+              + " / ".join(f"{x:.3f}" for x in conditional), flush=True)
+    if adaptive is not None and adaptive.engine.adaptive is not None:
+        stats = adaptive.engine.adaptive.acceptance
+        w, p = stats.prior_weight, stats.prior
+        pooled = [(a + w * p) / (t + w) for t, a in zip(stats.engine_tested, stats.engine_accepted)]
+        print("adaptive: a request without counts of its own priced at "
+              + " / ".join(f"{x:.3f}" for x in stats.engine_rates())
+              + "; its drafts' own tests, pooled per position: " + " / ".join(f"{x:.3f}" for x in pooled), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -161,14 +162,15 @@ def test_no_requests_or_no_room() -> None:
 
 
 def test_acceptance_rates_are_conditional_per_position() -> None:
-    """3 drafts, 1 accepted: positions 1 and 2 were tested, position 3 was not (its rate stays at the
-    prior); position 1 accepted, position 2 rejected."""
+    """3 drafts, 1 accepted: positions 1 and 2 were tested, position 3 was not (its rate is the
+    request's own rate at position 2 times the engine-wide ratio there: 0); position 1 accepted,
+    position 2 rejected."""
     stats = AcceptanceStats(3, prior=0.5, prior_weight=1e-9, request_weight=1e-9)
     for _ in range(5):
         stats.observe("a", 3, 1)
     rates = stats.rates(["a"])[0]
     assert rates[0] == pytest.approx(1.0) and rates[1] == pytest.approx(0.0, abs=1e-6)
-    assert rates[2] == pytest.approx(0.5)  # never tested: the engine-wide prior
+    assert rates[2] == pytest.approx(0.0, abs=1e-6)  # never tested: from position 2's
     stats.observe("b", 2, 2)  # both accepted; no third draft, so position 3 is not tested
     decayed = sum(0.995**i for i in range(1, 6))  # "a"'s five tests, decayed once per later test
     assert stats.engine_tested == pytest.approx([decayed + 1, decayed + 1, 0.0])
@@ -184,8 +186,48 @@ def test_a_rarely_tested_position_keeps_what_its_tests_said() -> None:
         stats.observe(f"deep{i}", 3, 3)
     for i in range(2000):
         stats.observe(f"short{i % 16}", 1, 1)
-    assert stats.engine_rates()[2] == pytest.approx((10 + 4 * 0.6) / (10 + 4), rel=0.01)
-    assert stats.engine_rates()[0] > 0.99
+    # position 3 against position 2 in the same ten verifications: both always accepted
+    assert stats.ratios() == pytest.approx([1.0, 1.0, 1.0])
+    assert stats.engine_rates()[0] > 0.99 and stats.engine_rates()[2] > 0.99
+
+
+def _verify(rng: random.Random, rates: list[float], num_drafts: int) -> int:
+    """Accepted drafts of a verification of `num_drafts` drafts with conditional rates `rates`."""
+    accepted = 0
+    while accepted < num_drafts and rng.random() < rates[accepted]:
+        accepted += 1
+    return accepted
+
+
+def test_deep_rates_carry_over_as_ratios_not_as_the_selected_requests_rates() -> None:
+    """The policy drafts deep for the requests that accept (here 0.9 at every position) and one token
+    for the rest (0.3), so position 3 is tested by good requests only and its pooled rate reads
+    ~0.9. A request that drafted one token, accepting ~0.3, must not be priced at that deep: its
+    deeper positions follow its own first (times the curve's shape, flat here), not the good
+    requests' figure. And where every request drafts alike the engine-wide curve is the true one."""
+    rng = random.Random(0)
+    stats = AcceptanceStats(3)
+    for i in range(3000):
+        good = i % 2 == 0
+        rid = f"{'good' if good else 'bad'}{(i // 2) % 8}"
+        stats.observe(rid, 3 if good else 1, _verify(rng, [0.9] * 3 if good else [0.3] * 3, 3 if good else 1))
+    pooled = (stats.engine_accepted[2] + 4 * 0.6) / (stats.engine_tested[2] + 4)
+    assert pooled > 0.85  # what the selected requests accept
+    assert stats.ratios()[1:] == pytest.approx([1.0, 1.0], abs=0.06)
+    bad = stats.rates(["bad3"])[0]
+    # its own first position (~10 decayed tests at ~0.3) weighed against the engine's (~0.6)
+    assert 0.3 < bad[0] < 0.6
+    assert bad[2] == pytest.approx(bad[0], abs=0.06)  # not the ~0.9 the deep tests pooled
+    good = stats.rates(["good3"])[0]
+    assert (good > 0.75).all()
+
+    rng = random.Random(1)
+    same = AcceptanceStats(3)
+    truth = [0.6, 0.7, 0.8]
+    for i in range(4000):
+        same.observe(f"r{i % 16}", 3, _verify(rng, truth, 3))
+    assert same.engine_rates() == pytest.approx(truth, abs=0.08)  # ~200 decayed tests a position
+    assert same.rates(["fresh"])[0].tolist() == pytest.approx(same.engine_rates())
 
 
 def test_a_new_request_starts_from_the_engine_wide_rate_and_follows_its_own() -> None:

@@ -119,6 +119,29 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
     return summary
 
 
+async def prime_level(base: str, model: str, items: list[tuple[str, bool]], concurrency: int,
+                      timeout_s: float) -> None:
+    """Each request of the level once, untimed, one token each, as the server's own mode sends it
+    (drafting where the item may): its prompt's blocks enter the prefix cache, with the drafter's
+    KV where the request may draft, before any mode is timed. Without it the first mode a server
+    ran at a level prefilled every prompt that the later ones found cached: on SmolLM2 (mixed
+    workload, one request at a time) adaptive, the adaptive server's first, waited 36.8 ms for a
+    first token where k = 3 waited 19.4, ~1.5 % of its throughput."""
+    url = f"{base}/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+        semaphore = asyncio.Semaphore(concurrency)
+
+        async def one(prompt: str, speculative: bool) -> None:
+            body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": 1, "temperature": 0.0}  # fmt: skip
+            if not speculative:
+                body["speculative"] = False
+            async with semaphore:
+                (await client.post(url, json=body)).raise_for_status()
+
+        await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in dict.fromkeys(items))), timeout_s)
+
+
 def draft_length_counts(text: str) -> dict[str, float]:
     """phalanx:spec_decode_draft_length_total by its `length` label, summed over ranks."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -187,13 +210,15 @@ def start_servers(args: argparse.Namespace, names: list[str], spec: dict, max_k:
 def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple[Any, str]],
             work: dict[str, list[tuple[str, bool]]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Every workload at every concurrency (ascending: the adaptive server learns from the load it
-    has seen, as a real one does); at each, --repeats rounds over the modes in turn, so that a
-    machine drifting over the run shifts every mode alike. Each figure: the round with the median
-    output throughput."""
+    has seen, as a real one does); at each, every server first takes the level's prompts
+    (`prime_level`), then --repeats rounds over the modes in turn, so that a machine drifting over
+    the run shifts every mode alike. Each figure: the round with the median output throughput."""
     results: dict[str, dict[str, dict[str, Any]]] = {m: {} for m in modes}
     for name, items_all in work.items():
         for c in args.concurrency:
             items = items_all[: max(args.min_requests, args.requests_per_slot * c)]
+            for server in dict.fromkeys(mode_server(m, args.separate_servers)[0] for m in modes):
+                asyncio.run(prime_level(servers[server][1], args.model, items, c, args.level_timeout))
             rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
             for rnd in range(args.repeats):
                 # Every other round in reverse order: a machine drifting within a round then favours

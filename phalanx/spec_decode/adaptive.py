@@ -194,13 +194,17 @@ class AcceptanceStats:
         """What a request with no counts of its own accepts per position: the engine's rate at the
         first, the ratios after it (each at most 1)."""
         ratios = self.ratios() if ratios is None else ratios
-        w, p = self.prior_weight, self.prior
-        rate = (self.engine_accepted[0] + w * p) / (self.engine_tested[0] + w) if self.k else 0.0
+        rate = self._first_rate()
         out = []
         for j in range(self.k):
             rate = min(rate * ratios[j], 1.0) if j else rate
             out.append(rate)
         return out
+
+    def _first_rate(self) -> float:
+        """The engine-wide rate at position 1, smoothed towards `prior`."""
+        w, p = self.prior_weight, self.prior
+        return (self.engine_accepted[0] + w * p) / (self.engine_tested[0] + w) if self.k else 0.0
 
     def rates_of(self, req_id: str, ratios: list[float] | None = None) -> list[float]:  # [k]
         """One request's conditional acceptance per position (`ratios`: the engine-wide ones, `ratios()`):
@@ -211,10 +215,9 @@ class AcceptanceStats:
         counts = self._counts.get(req_id)
         if counts is None:
             return self.engine_rates(ratios)
-        w, p = self.prior_weight, self.prior
         rw = self.request_weight
         tested, accepted = counts
-        rate = (self.engine_accepted[0] + w * p) / (self.engine_tested[0] + w) if self.k else 0.0
+        rate = self._first_rate()
         out = []
         for j in range(self.k):
             base = min(rate * ratios[j], 1.0) if j else rate
@@ -907,4 +910,3 @@ def explore(lengths: list[int], caps: list[int], lags: list[int] | None = None) 
     i = min(room, key=lambda i: (lag[i], -lengths[i], i))
     lengths[i] += 1
     return i
-

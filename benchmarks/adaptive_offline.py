@@ -105,11 +105,9 @@ def main() -> None:
               + " / ".join(f"{x:.3f}" for x in conditional), flush=True)
     if adaptive is not None and adaptive.engine.adaptive is not None:
         stats = adaptive.engine.adaptive.acceptance
-        w, p = stats.prior_weight, stats.prior
-        pooled = [(a + w * p) / (t + w) for t, a in zip(stats.engine_tested, stats.engine_accepted)]
         print("adaptive: a request without counts of its own priced at "
-              + " / ".join(f"{x:.3f}" for x in stats.engine_rates())
-              + "; its drafts' own tests, pooled per position: " + " / ".join(f"{x:.3f}" for x in pooled), flush=True)
+              + " / ".join(f"{x:.3f}" for x in stats.engine_rates()) + "; its drafts' own tests, pooled per "
+              "position: " + " / ".join(f"{x:.3f}" for x in stats.pooled_rates()), flush=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,19 @@ def workload(prompts: list[str], code: list[str], mixed: bool, n: int) -> list[t
     return [(prompts[i % len(prompts)], False) if i % 2 == 0 else (code[i % len(code)], True) for i in range(n)]
 
 
+def chat_body(model: str, prompt: str, speculative: bool, max_tokens: int,
+              fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy chat request for one item: opted out where the item is, else carrying the mode's
+    extension `fields`."""
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "temperature": 0.0}  # fmt: skip
+    if not speculative:
+        body["speculative"] = False
+    elif fields:
+        body.update(fields)
+    return body
+
+
 async def run_level(base: str, model: str, items: list[tuple[str, bool]], concurrency: int, max_tokens: int,
                     timeout_s: float, fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """All `items` with `concurrency` requests in flight: the summary, the acceptance and the draft
@@ -97,13 +110,8 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
         semaphore = asyncio.Semaphore(concurrency)
 
         async def one(prompt: str, speculative: bool) -> RequestResult:
-            body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                    "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                                    "stream_options": {"include_usage": True}}  # fmt: skip
-            if not speculative:
-                body["speculative"] = False
-            elif fields:
-                body.update(fields)
+            body = chat_body(model, prompt, speculative, max_tokens, fields)
+            body.update(stream=True, stream_options={"include_usage": True})
             async with semaphore:
                 return await send_request(client, url, body, 0, {})
 
@@ -132,12 +140,8 @@ async def prime_level(base: str, model: str, items: list[tuple[str, bool]], conc
         semaphore = asyncio.Semaphore(concurrency)
 
         async def one(prompt: str, speculative: bool) -> None:
-            body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                    "max_tokens": 1, "temperature": 0.0}  # fmt: skip
-            if not speculative:
-                body["speculative"] = False
             async with semaphore:
-                (await client.post(url, json=body)).raise_for_status()
+                (await client.post(url, json=chat_body(model, prompt, speculative, 1))).raise_for_status()
 
         await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in dict.fromkeys(items))), timeout_s)
 

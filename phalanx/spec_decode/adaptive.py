@@ -179,55 +179,49 @@ class AcceptanceStats:
     def forget(self, req_id: str) -> None:
         self._counts.pop(req_id, None)
 
+    def pooled_rates(self) -> list[float]:  # [k]
+        """Per position, what the drafts tested there accepted, engine-wide (each smoothed towards
+        `prior`): position 1's is every drafting request's; deeper ones are the selected requests'."""
+        w, p = self.prior_weight, self.prior
+        return [(a + w * p) / (t + w) for t, a in zip(self.engine_tested, self.engine_accepted)]
+
     def ratios(self) -> list[float]:  # [k]: [0] unused (1.0)
         """Engine-wide, per position j >= 1: the rate at j over the rate at j - 1 in the
         verifications that drafted j (each smoothed towards `prior`; nothing measured: 1)."""
-        w, p = self.prior_weight, self.prior
-        out = [1.0]
-        for j in range(1, self.k):
-            here = (self.engine_accepted[j] + w * p) / (self.engine_tested[j] + w)
-            before = (self.engine_prev_accepted[j] + w * p) / (self.engine_prev_tested[j] + w)
-            out.append(here / before)
-        return out
+        return [1.0] + self.curve()[1:]
 
-    def engine_rates(self, ratios: list[float] | None = None) -> list[float]:  # [k]
+    def curve(self) -> list[float]:  # [k]
+        """What `rates_of` builds every request's rates on, computed once per decision: position
+        1's engine-wide rate, then the `ratios` after it."""
+        w, p = self.prior_weight, self.prior
+        pooled = self.pooled_rates()
+        return pooled[:1] + [pooled[j] / ((self.engine_prev_accepted[j] + w * p) / (self.engine_prev_tested[j] + w))
+                             for j in range(1, self.k)]
+
+    def engine_rates(self, curve: list[float] | None = None) -> list[float]:  # [k]
         """What a request with no counts of its own accepts per position: the engine's rate at the
         first, the ratios after it (each at most 1)."""
-        ratios = self.ratios() if ratios is None else ratios
-        rate = self._first_rate()
-        out = []
-        for j in range(self.k):
-            rate = min(rate * ratios[j], 1.0) if j else rate
-            out.append(rate)
-        return out
+        return self.rates_of(None, curve)
 
-    def _first_rate(self) -> float:
-        """The engine-wide rate at position 1, smoothed towards `prior`."""
-        w, p = self.prior_weight, self.prior
-        return (self.engine_accepted[0] + w * p) / (self.engine_tested[0] + w) if self.k else 0.0
-
-    def rates_of(self, req_id: str, ratios: list[float] | None = None) -> list[float]:  # [k]
-        """One request's conditional acceptance per position (`ratios`: the engine-wide ones, `ratios()`):
-        its own counts at each position, smoothed (weight `request_weight`) towards its own rate
-        at the position before times the engine-wide ratio there, or at position 1 towards the
-        engine's rate."""
-        ratios = self.ratios() if ratios is None else ratios
-        counts = self._counts.get(req_id)
-        if counts is None:
-            return self.engine_rates(ratios)
+    def rates_of(self, req_id: str | None, curve: list[float] | None = None) -> list[float]:  # [k]
+        """One request's conditional acceptance per position (`curve`: `curve()`, None: computed
+        here): its own counts at each position (none for an unknown request), smoothed (weight
+        `request_weight`) towards its own rate at the position before times the engine-wide ratio
+        there, or at position 1 towards the engine's rate."""
+        curve = self.curve() if curve is None else curve
+        counts = self._counts.get(req_id) if req_id is not None else None
         rw = self.request_weight
-        tested, accepted = counts
-        rate = self._first_rate()
-        out = []
+        out: list[float] = []
+        rate = 1.0
         for j in range(self.k):
-            base = min(rate * ratios[j], 1.0) if j else rate
-            rate = (accepted[j] + rw * base) / (tested[j] + rw)
+            base = min(rate * curve[j], 1.0)
+            rate = base if counts is None else (counts[1][j] + rw * base) / (counts[0][j] + rw)
             out.append(rate)
         return out
 
     def rates(self, req_ids: list[str]) -> np.ndarray:  # [R, k] conditional acceptance per position
-        ratios = self.ratios()
-        rows = [self.rates_of(r, ratios) for r in req_ids]
+        curve = self.curve()
+        rows = [self.rates_of(r, curve) for r in req_ids]
         return np.array(rows, dtype=np.float64).reshape(len(req_ids), self.k)
 
 
@@ -857,8 +851,8 @@ class AdaptiveDrafting:
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # plain Python: cheaper between forward passes
-            ratios = self.acceptance.ratios()
-            rates = [self.acceptance.rates_of(r, ratios) for r in req_ids]
+            curve = self.acceptance.curve()
+            rates = [self.acceptance.rates_of(r, curve) for r in req_ids]
             lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost, DRAFT_MIN_GAIN)
         else:
             rates = self.acceptance.rates(req_ids)

@@ -70,6 +70,9 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    # The most drafts a step its own parameters allow from the engine's k (0: opted out); set by
+    # the scheduler when the request arrives.
+    own_draft_cap: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -75,6 +75,7 @@ class Scheduler:
                 f"({self.max_model_len}) to leave room for output"
             )
         req.status = RequestStatus.WAITING
+        req.own_draft_cap = req.sampling_params.draft_cap(self.num_spec_tokens) if self.num_spec_tokens else 0
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -172,7 +173,7 @@ class Scheduler:
                 held_back.append(self.waiting.popleft())
                 continue
             # a request that drafts needs its prefix's drafter KV too (one that never drafts does not)
-            drafts = req.sampling_params.draft_cap(self.num_spec_tokens) > 0
+            drafts = req.own_draft_cap > 0
             hit_blocks, num_hit = self.kv.get_computed_blocks(req, need_drafter_kv=drafts)
             num_new = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -240,22 +241,25 @@ class Scheduler:
             return {}
         req_ids = [r for r in num_scheduled if r in reaching_end]  # batch order
         off = self.disable_by_batch_size is not None and len(num_scheduled) > self.disable_by_batch_size
-        caps = [0 if off else self._draft_cap(self.requests[r], k) for r in req_ids]
-        if self.adaptive is None:
+        reqs = [self.requests[r] for r in req_ids]
+        caps = [0] * len(reqs) if off else [self._draft_cap(req) if req.own_draft_cap else 0 for req in reqs]
+        if self.adaptive is None or not any(caps):
             lengths = caps
         else:  # positions each request's drafter catch-up has waiting (fed when it drafts again)
             waiting = self._drafter_waiting
-            lags = [max(self.requests[r].num_computed_tokens - waiting.get(r, 1 << 62), 0) for r in req_ids]
+            lags = [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
+                    for req, cap in zip(reqs, caps)]
             lengths = self.adaptive.choose(req_ids, caps, base_rows, lags)
         for d in lengths:
             self.spec_draft_lengths[d] += 1
         return dict(zip(req_ids, lengths))
 
-    def _draft_cap(self, req: Request, k: int) -> int:
+    def _draft_cap(self, req: Request) -> int:
         """The request's own cap, and the room for drafts after this step's token (`_clip_drafts`
         with one new token: more tokens only leave less room, and the drafts are clipped then)."""
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 2
-        return max(min(req.sampling_params.draft_cap(k), room), 0)
+        out = len(req.output_token_ids)
+        room = min(req.max_tokens - out, self.max_model_len - len(req.prompt_token_ids) - out) - 2
+        return max(min(req.own_draft_cap, room), 0)
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""
@@ -292,7 +296,7 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            elif out.spec_token_ids is not None and new_tokens:
+            elif out.spec_token_ids is not None and new_tokens and out.spec_token_ids[i]:
                 req.spec_token_ids = self._clip_drafts(req, out.spec_token_ids[i])
             prompt_lps = out.prompt_logprobs.get(req_id)
             if new_tokens or status is not None or prompt_lps:

@@ -48,10 +48,15 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
-# A batch that reaches its ends with the same requests, caps and base rows as the last decision
-# keeps that decision for up to this many decisions in all (an exploration still comes when due):
-# at one request the decision, with cold caches between forward passes, took ~32 us, ~3 % of a
-# demo step, while the estimates it reads move by a verification's weight a step.
+# A batch that reaches its ends with the same requests and base rows as the last decision keeps
+# that decision for up to this many decisions in all (an exploration still comes when due): at
+# one request the decision, with cold caches between forward passes, took ~32 us, ~3 % of a demo
+# step, while the estimates it reads move by a verification's weight a step. Caps that fell since
+# (requests nearing max_tokens lower theirs, at 16 requests on a third of the steps) keep it too
+# while they still hold its lengths: the best choice among more candidates is the best among fewer
+# that include it. A decision that drafts nothing stands until the next exploration: with no
+# drafts no verification moves the acceptance it read, only the step-time fit drifts (the demo's
+# mixed workload at 16 requests: ~120 us a fresh decision on ~1.6 ms steps).
 REUSE_DECISIONS = 4
 # Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
@@ -808,6 +813,15 @@ def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray
     return np.maximum(y, 0.0)
 
 
+class Decision(NamedTuple):
+    """A fresh decision of `AdaptiveDrafting.choose`, kept for reuse."""
+
+    key: tuple[tuple[str, ...], int]  # the request ids and base rows it was taken for
+    caps: list[int]
+    lengths: list[int]
+    at: int  # the decision count it was taken at
+
+
 class AdaptiveDrafting:
     """The scheduler's handle on the adaptive policy: request acceptance in, step costs in, draft
     lengths out. `drafter_passes`: the drafter runs a pass per draft position (model drafters),
@@ -821,8 +835,7 @@ class AdaptiveDrafting:
         self.acceptance = AcceptanceStats(k)
         self.costs = StepCostModel(logit_share=logit_share)
         self._decisions = 0
-        # the last fresh decision: (request ids, caps, base rows), its lengths, its decision count
-        self._last: tuple[tuple, list[int], int] | None = None
+        self._last: Decision | None = None  # the last fresh decision
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
                ) -> list[int]:
@@ -835,18 +848,22 @@ class AdaptiveDrafting:
         itself does not price them (a request that drafts again later feeds them then anyway);
         the explorations do, being one-off: the one-request exploration takes the request with
         the shortest wait, and the whole batch at its caps is tried only where it comes within
-        the margin with its catch-ups paid. A batch unchanged since the last fresh decision (the
-        same requests, caps and base rows) keeps it for up to REUSE_DECISIONS decisions."""
+        the margin with its catch-ups paid. The same requests and base rows as the last fresh
+        decision, with caps no higher than it had and still holding its lengths, keep it for up
+        to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing
+        (`REUSE_DECISIONS`)."""
         if (not req_ids or max(caps, default=0) == 0 or self.costs.drafting_steps < self.min_drafting_steps
                 or not self.costs.measured_near(base_rows)):
             return list(caps)
-        caps = [min(c, self.k) for c in caps]
-        key = (tuple(req_ids), tuple(caps), base_rows)
+        if max(caps) > self.k:
+            caps = [min(c, self.k) for c in caps]
+        key = (tuple(req_ids), base_rows)
         self._decisions += 1
         last = self._last
-        if (last is not None and last[0] == key and self._decisions - last[2] < REUSE_DECISIONS
-                and self._decisions % EXPLORE_EVERY):  # an exploration due decides afresh
-            return list(last[1])
+        if (last is not None and self._decisions % EXPLORE_EVERY  # an exploration due decides afresh
+                and self._decisions - last.at < (REUSE_DECISIONS if any(last.lengths) else EXPLORE_EVERY)
+                and last.key == key and all(n <= c <= was for n, c, was in zip(last.lengths, caps, last.caps))):
+            return list(last.lengths)
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0
@@ -858,7 +875,7 @@ class AdaptiveDrafting:
             rates = self.acceptance.rates(req_ids)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
                                            pass_cost, first_cost, DRAFT_MIN_GAIN).tolist()
-        self._last = (key, list(lengths), self._decisions)
+        self._last = Decision(key, caps, list(lengths), self._decisions)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

@@ -79,7 +79,6 @@ class DraftModelProposer:
         self.block_size = 16
         self._computed: dict[str, int] = {}
         self._behind: set[str] = set()  # requests whose catch-up waits (their `_computed` is short)
-        self._skipped: set[str] = set()  # opted-out requests: never fed (``proposer``)
         self.passes_run = 0
         self.rows_fed = 0
         self.pass_rows = 0
@@ -94,15 +93,13 @@ class DraftModelProposer:
     def start_request(self, req_id: str, num_computed: int) -> None:
         self._computed[req_id] = num_computed
         self._behind.discard(req_id)
-        self._skipped.discard(req_id)
 
     def finish_request(self, req_id: str) -> None:
         self._computed.pop(req_id, None)
         self._behind.discard(req_id)
-        self._skipped.discard(req_id)
 
     def drafter_kv_ends(self) -> dict[str, int]:
-        return {**{r: self._computed[r] for r in self._behind}, **dict.fromkeys(self._skipped, 0)}
+        return {r: self._computed[r] for r in self._behind}
 
     def _run(self, p: DrafterPass) -> torch.Tensor:  # -> hidden [T_real + pad, H]
         hidden, _ = self.model(p.input_ids, self.kv_caches, p.meta)
@@ -121,9 +118,6 @@ class DraftModelProposer:
         feeds: list[Feed] = []
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         for i, req_id in enumerate(batch.req_ids):
-            if batch.skips_drafter(i):
-                self._skipped.add(req_id)
-                continue
             tokens = batch.token_ids[i]
             # Past the drafter's context no more drafts, but its KV is still filled up to the
             # context's end, so every cached block below it holds draft KV (a later request hitting

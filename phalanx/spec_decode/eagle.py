@@ -91,7 +91,6 @@ class EagleProposer:
         self.rows_fed = 0
         self.pass_rows = 0
         self._waiting: dict[str, Waiting] = {}
-        self._skipped: set[str] = set()  # opted-out requests: never fed (``proposer``)
 
     def kv_cache_spec(self) -> list[tuple[int, int]]:
         cfg = self.head.config
@@ -103,14 +102,12 @@ class EagleProposer:
 
     def start_request(self, req_id: str, num_computed: int) -> None:
         self._waiting.pop(req_id, None)  # the head's progress is the target's num_computed
-        self._skipped.discard(req_id)
 
     def finish_request(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
-        self._skipped.discard(req_id)
 
     def drafter_kv_ends(self) -> dict[str, int]:
-        return {**{r: w.start for r, w in self._waiting.items()}, **dict.fromkeys(self._skipped, 0)}
+        return {r: w.start for r, w in self._waiting.items()}
 
     def _run(self, p: DrafterPass, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if p.num_pad:  # padding rows carry zero features
@@ -141,23 +138,22 @@ class EagleProposer:
         wait_rows: list[int] = []  # target rows of positions that wait
         wait_spans: list[tuple[str, int, int, int]] = []  # (request, first waiting position, first row, rows)
         drafting: list[int] = []  # indices into feeds of requests that get drafts
-        for i, req_id in enumerate(batch.req_ids):
-            nc, nv = batch.num_computed[i], batch.num_valid[i]
-            if batch.skips_drafter(i):
-                self._skipped.add(req_id)
-                continue
-            if nv == 0 or nc + nv + k > self.room:
+        room, lag = self.room - k, self.max_lag
+        for i, (req_id, nc, nv, wanted, prompt_len, row) in enumerate(zip(
+                batch.req_ids, batch.num_computed, batch.num_valid, batch.num_drafts, batch.prompt_lens,
+                batch.token_offsets)):
+            if nv == 0 or nc + nv > room:
                 continue
             waiting = self._waiting.get(req_id)
             start, end = (nc if waiting is None else waiting.start), nc + nv
-            upto = feed_range(start, end, batch.prompt_lens[i], batch.num_drafts[i] > 0, may_defer, self.max_lag)
-            off = batch.token_offsets[i] - nc  # target row of position p: off + p
+            upto = feed_range(start, end, prompt_len, wanted > 0, may_defer, lag)
+            off = row - nc  # target row of position p: off + p
             if upto > start:
                 # position t consumes token t + 1: positions [start, upto) <- tokens [start + 1, upto + 1)
                 feeds.append(Feed(i, batch.token_ids[i][start + 1 : upto + 1], start))
                 fed_rows.extend(range(off + nc, off + upto))  # this step's; [start, nc) waited
                 kept.append(self._waiting.pop(req_id, None))
-                if batch.num_drafts[i] > 0:
+                if wanted > 0:
                     drafting.append(len(feeds) - 1)
             if upto < end:
                 wait_rows.extend(range(off + max(upto, nc), off + end))

@@ -34,9 +34,10 @@ in `MAX_WAIT_BYTES` (the memory it keeps per waiting request); for a draft model
 nothing per position, `MAX_DRAFT_MODEL_LAG`.
 
 A request opted out of speculation by its own parameters (`speculative: false`, a cap of 0) never
-feeds the drafter, not even its prompt (outside lockstep): the drafter costs it nothing. Its blocks
-go to the prefix cache marked without drafter KV (`drafter_kv_ends` reports 0 for it); requests
-that draft take hits only up to the first such block (``core.block_pool``).
+feeds the drafter, not even its prompt (outside lockstep): the runner leaves it out of the batch,
+so the drafter costs it nothing, not even a row of a proposer's loop. Its blocks go to the prefix
+cache marked without drafter KV (the runner reports its drafter KV as ending at 0); requests that
+draft take hits only up to the first such block (``core.block_pool``).
 """
 
 from __future__ import annotations
@@ -73,14 +74,6 @@ class ProposeBatch:
     pass_sizes: tuple[int, ...] | None = None
     # Wraps drafter pass j (labels the collectives it issues for the debug checker).
     pass_context: Callable[[int], AbstractContextManager[None]] = lambda j: nullcontext()
-    # per request: its own parameters give it no drafts, ever (`speculative: false`, a cap of 0);
-    # empty: none does
-    opted_out: list[bool] = field(default_factory=list)
-
-    def skips_drafter(self, i: int) -> bool:
-        """Request i never reaches the drafter: it is opted out and no vote sized pass 1 for it
-        (lockstep feeds every position)."""
-        return self.pass_sizes is None and bool(self.opted_out) and self.opted_out[i]
 
 
 class Proposer(Protocol):
@@ -114,8 +107,8 @@ class Proposer(Protocol):
 
     def drafter_kv_ends(self) -> dict[str, int]:
         """Each request whose catch-up is deferred: the first position without drafter KV (its
-        blocks from there on go to the prefix cache marked without it); an opted-out request that
-        never feeds the drafter: 0. Requests caught up are absent."""
+        blocks from there on go to the prefix cache marked without it). Requests caught up are
+        absent (and those the runner leaves out, opted out: it reports them itself)."""
         ...
 
 
@@ -331,6 +324,8 @@ def plan_passes(batch: ProposeBatch, feeds: list[Feed], drafting: list[int],
                 chains: Callable[[ProposeBatch], bool]) -> PassPlan:
     """How many passes the model drafter runs for `feeds` (`drafting`: those that get drafts), and
     what they feed, for the step-cost model."""
+    if not feeds and batch.pass_sizes is None:  # nothing to feed, nothing voted: no pass
+        return PassPlan([], 0, 0, 0, False)
     drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
     passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
     rows_fed = sum(len(f.token_ids) for f in feeds)

@@ -362,38 +362,63 @@ class ModelRunner:
         pass_sizes: tuple[int, ...] | None,
     ) -> list[list[int]]:
         assert self.proposer is not None
-        offsets, num_valid, num_drafts = [], [], []
+        # Outside lockstep a request opted out by its own parameters never reaches the drafter (not
+        # even its prompt): it is left out of the proposer's batch. In lockstep the vote sized the
+        # passes for every position, so every request feeds.
+        leave_out = pass_sizes is None
+        rows: list[int] = []  # the batch rows the proposer gets
+        skipped: list[str] = []
+        ids, token_ids, prompt_lens, nc, offsets, num_valid, num_drafts = [], [], [], [], [], [], []
         offset = 0
         for i, req_id in enumerate(req_ids):
+            st = self.requests[req_id]
+            if leave_out and st.opted_out:
+                skipped.append(req_id)
+                offset += q_lens[i]
+                continue
             produced = len(out.sampled_token_ids[i])
             drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
+            rows.append(i)
+            ids.append(req_id)
+            token_ids.append(st.token_ids)
+            prompt_lens.append(len(st.prompt_token_ids))
+            nc.append(num_computed[i])
             # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
             num_valid.append(q_lens[i] - drafts + max(produced - 1, 0))
             num_drafts.append(sched.draft_lengths.get(req_id, 0) if produced > 0 else 0)
             offsets.append(offset)
             offset += q_lens[i]
+        if not ids and leave_out:  # every request opted out: the drafter has nothing to do
+            out.drafter_kv_end = dict.fromkeys(skipped, 0) if self.num_lookahead_slots > 0 else {}
+            return [[] for _ in req_ids]
         batch = ProposeBatch(
-            req_ids=req_ids,
-            token_ids=[self.requests[r].token_ids for r in req_ids],
-            num_computed=num_computed,
+            req_ids=ids,
+            token_ids=token_ids,
+            num_computed=nc,
             num_valid=num_valid,
             num_drafts=num_drafts,
-            block_table=block_table,
+            block_table=block_table if not skipped else torch.from_numpy(block_table.numpy()[rows]),
             token_offsets=offsets,
-            prompt_lens=[self.requests[r].num_prompt_tokens for r in req_ids],
+            prompt_lens=prompt_lens,
             target_hidden=hidden if self.proposer.needs_target_hidden else None,
             target_aux=aux,
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
-            opted_out=[self.requests[r].opted_out for r in req_ids],
         )
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
         out.drafter_rows_fed = self.proposer.rows_fed
         out.drafter_pass_rows = self.proposer.pass_rows
         # requests whose drafter catch-up waits: their blocks are published to the prefix cache only
-        # up to where the drafter's KV is complete
+        # up to where the drafter's KV is complete; those left out have none (a model drafter's)
         out.drafter_kv_end = self.proposer.drafter_kv_ends()
+        if skipped:
+            if self.num_lookahead_slots > 0:
+                out.drafter_kv_end.update(dict.fromkeys(skipped, 0))
+            every: list[list[int]] = [[] for _ in req_ids]
+            for i, d in zip(rows, drafts):
+                every[i] = d
+            drafts = every
         return drafts
 
     def _logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_an_opted_out_request_never_feeds_the_drafter(method: str, target: Path,
     prompt = [(5 * i + 7) % 300 + 3 for i in range(20)]
     first = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, speculative=False, **greedy),
                          use_tqdm=False)[0]
-    assert fed and all(f == (0, 0) for f in fed)  # not one row, prompt included
+    assert not fed  # the drafter is never reached: not one row, prompt included
     assert first.outputs[0].num_draft_tokens == 0
 
     second = {"prompt_token_ids": prompt + list(first.outputs[0].token_ids) + [9, 10, 11]}

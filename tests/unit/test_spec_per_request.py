@@ -139,10 +139,14 @@ def test_opt_outs_and_caps_are_lossless_and_honoured(method: str, dtype: str, ad
     if not adaptive and method == "self":  # a self-draft always agrees: full depth while there is room
         assert any(len(d) == K for _, _, ds in calls for d in ds)
     # Every length given is counted (0 also for requests that produced no token: prefill chunks).
+    # Opted-out requests never reach the proposer: a 0 for each token they sampled.
     counts = llm.get_metrics()["spec_draft_lengths"]
     wanted = [n for _, ns, _ in calls for n in ns]
     assert len(counts) == K + 1 and counts[1:] == [wanted.count(d) for d in range(1, K + 1)]
-    assert 0 < counts[0] <= wanted.count(0)
+    opted_out_steps = sum(len(o.outputs[0].token_ids) for o, p in zip(outs, params) if p.draft_cap(K) == 0)
+    assert opted_out_steps > 0 and not {rid for ids, _, _ in calls for rid in ids} & {
+        str(i) for i, p in enumerate(params) if p.draft_cap(K) == 0}
+    assert 0 < counts[0] <= wanted.count(0) + opted_out_steps
 
 
 def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:

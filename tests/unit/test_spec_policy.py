@@ -640,6 +640,51 @@ def test_an_unchanged_batch_keeps_its_decision_for_a_few_steps() -> None:
     assert policy.choose(["a", "b"], [3, 3], base_rows=2)[0] == 0  # another batch: decided afresh
 
 
+def _policy_with_costs() -> AdaptiveDrafting:
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
+    for rows in (2, 4, 6, 8):  # a row costs a fifth of a 2-row step
+        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
+    return policy
+
+
+def test_a_decision_stands_while_the_caps_fall_and_still_hold_it() -> None:
+    """Caps that fell since the last fresh decision (requests nearing max_tokens) keep it while it
+    fits within them: the best choice among more candidates is the best among fewer that include
+    it. A cap below its length, or a cap that rose, decides afresh."""
+    policy = _policy_with_costs()
+    for _ in range(30):
+        policy.observe_verification("a", 3, 3)  # "a" always accepts
+        policy.observe_verification("b", 3, 0)  # "b" never does
+    assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 0]
+    for _ in range(60):
+        policy.observe_verification("a", 3, 0)  # now "a" never accepts either
+    assert policy.choose(["a", "b"], [3, 1], base_rows=2) == [3, 0]  # "b"'s cap fell: still holds
+    assert policy.choose(["a", "b"], [2, 1], base_rows=2) == [0, 0]  # "a"'s fell below 3: afresh
+    policy = _policy_with_costs()
+    for _ in range(30):
+        policy.observe_verification("a", 3, 3)
+        policy.observe_verification("b", 3, 3)
+    assert policy.choose(["a", "b"], [3, 1], base_rows=2) == [3, 1]
+    assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 3]  # "b"'s cap rose: afresh
+
+
+def test_a_decision_to_draft_nothing_stands_until_the_next_exploration() -> None:
+    """With no drafts no verification moves the acceptance the decision read: it stands past
+    REUSE_DECISIONS, until an exploration is due (which decides afresh)."""
+    policy = _policy_with_costs()
+    for _ in range(30):
+        policy.observe_verification("a", 3, 0)
+    assert policy.choose(["a"], [3], base_rows=2) == [0]
+    for _ in range(60):
+        policy.observe_verification("a", 3, 3)  # it would pay now
+    held = 0
+    while (policy._decisions + 1) % EXPLORE_EVERY:
+        assert policy.choose(["a"], [3], base_rows=2) == [0]
+        held += 1
+    assert held > REUSE_DECISIONS
+    assert policy.choose(["a"], [3], base_rows=2) == [3]  # the exploration's turn: decided afresh
+
+
 def test_the_caps_stand_until_enough_steps_ran_the_drafter() -> None:
     """A request whose drafts are never accepted: the fit says drafting does not pay from the first
     steps on, but the caps stand until MIN_DRAFTING_STEPS steps ran the drafter (the first ones,

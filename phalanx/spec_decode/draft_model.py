@@ -146,7 +146,7 @@ class DraftModelProposer:
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.model.draft_chain(
                 ids, start, q, table, self.block_size, passes, self.kv_caches))
         # Pass 1: catch up; each drafting request's last position drafts token 1.
-        p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
+        p = drafter_pass(feeds, batch, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
             hidden = self._run(p)
         rows = [feeds[f].row for f in drafting]

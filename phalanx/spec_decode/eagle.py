@@ -182,7 +182,7 @@ class EagleProposer:
             return chain_grid(batch, feeds, drafts, lambda ids, start, table: self.head.draft_chain(
                 ids, features, start, q, table, self.block_size, passes, self.kv_caches[0]))
         # Pass 1: the verified positions with the target's features; drafts token 1.
-        p = drafter_pass(feeds, batch.block_table, self.block_size, pass_size(batch, 0))
+        p = drafter_pass(feeds, batch, self.block_size, pass_size(batch, 0))
         with batch.pass_context(1):
             for_logits, feed = self._run(p, features)
         pick = torch.tensor([p.last_rows[f] for f in drafting], dtype=torch.int64)

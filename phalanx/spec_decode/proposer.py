@@ -64,7 +64,7 @@ class ProposeBatch:
     num_computed: list[int]  # per request: position of the first token scheduled this step
     num_valid: list[int]  # per request: scheduled tokens whose target state is valid (minus rejected)
     num_drafts: list[int]  # per request: drafts wanted after this step (0: none), at most k
-    block_table: torch.Tensor  # [R, max_blocks] int64, covering the lookahead slots too
+    block_table: torch.Tensor  # [R or the step's, max_blocks] int64, covering the lookahead slots too
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
     prompt_lens: list[int]  # per request: its prompt's length (prompt positions are never deferred)
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
@@ -74,6 +74,14 @@ class ProposeBatch:
     pass_sizes: tuple[int, ...] | None = None
     # Wraps drafter pass j (labels the collectives it issues for the debug checker).
     pass_context: Callable[[int], AbstractContextManager[None]] = lambda j: nullcontext()
+    # per request: its row of `block_table` where that is the whole step's (the runner leaves
+    # opted-out requests out of the batch, not out of the table); None: row i is request i's
+    table_rows: list[int] | None = None
+
+    def table(self, rows: list[int]) -> torch.Tensor:
+        """[len(rows), max_blocks] the block-table rows of these requests."""
+        index = rows if self.table_rows is None else [self.table_rows[r] for r in rows]
+        return self.block_table[torch.tensor(index, dtype=torch.int64)]
 
 
 class Proposer(Protocol):
@@ -182,7 +190,7 @@ class DrafterPass:
 
 def drafter_pass(
     feeds: list[Feed],
-    block_table: torch.Tensor,  # [R, max_blocks]
+    batch: ProposeBatch,
     block_size: int,
     pad_to: int | None,
 ) -> DrafterPass:
@@ -191,7 +199,7 @@ def drafter_pass(
     num_pad = 0 if pad_to is None else pad_to - num_real
     if num_pad < 0:
         raise RuntimeError(f"drafter pass has {num_real} tokens, more than the agreed {pad_to}")
-    table = block_table.numpy()[[f.row for f in feeds]]
+    table = batch.table([f.row for f in feeds]).numpy()
     meta = build_attention_metadata(q_lens, [f.start for f in feeds], table, block_size, num_pad)
     ids = [t for f in feeds for t in f.token_ids] + [0] * num_pad
     last_rows = list(itertools.accumulate(q_lens, initial=-1))[1:]
@@ -239,7 +247,7 @@ def draft_rest(
     drafts to `drafts` (one tolist per pass at the end) and returns it.
     Depths [3, 2, 1]: pass 2 feeds rows 0-1, pass 3 row 0."""
     depths = [min(batch.num_drafts[r], passes) for r in rows]  # (lockstep: the vote covers every depth)
-    table = batch.block_table[torch.tensor(rows, dtype=torch.int64)]
+    table = batch.table(rows)
     out = [tokens]
     for j in range(1, passes):
         n = sum(1 for d in depths if d > j)  # requests drafting token j + 1
@@ -281,7 +289,7 @@ def chain_grid(
     rows = [f.row for f in feeds]
     ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.int64)
     start = torch.tensor([f.start for f in feeds], dtype=torch.int64)
-    out = chain(ids, start, batch.block_table[torch.tensor(rows, dtype=torch.int64)])
+    out = chain(ids, start, batch.table(rows))
     for row, toks in zip(rows, out.tolist()):
         drafts[row].extend(toks[: batch.num_drafts[row]])  # the chain drafts the deepest length for all
     return drafts
@@ -295,7 +303,7 @@ def chain_rest(
     chain: Callable[[torch.Tensor], torch.Tensor],  # table [n, W] -> drafts 2..k [n, k - 1]
 ) -> list[list[int]]:
     """Passes 2..k through a drafting chain after a pass 1 run pass by pass; appends all drafts."""
-    rest = chain(batch.block_table[torch.tensor(rows, dtype=torch.int64)])
+    rest = chain(batch.table(rows))
     for row, toks in zip(rows, torch.cat([tokens[:, None], rest], dim=1).tolist()):
         drafts[row].extend(toks[: batch.num_drafts[row]])  # the chain drafts the deepest length for all
     return drafts

@@ -397,13 +397,14 @@ class ModelRunner:
             num_computed=nc,
             num_valid=num_valid,
             num_drafts=num_drafts,
-            block_table=block_table if not skipped else torch.from_numpy(block_table.numpy()[rows]),
+            block_table=block_table,
             token_offsets=offsets,
             prompt_lens=prompt_lens,
             target_hidden=hidden if self.proposer.needs_target_hidden else None,
             target_aux=aux,
             pass_sizes=pass_sizes,
             pass_context=self._pass_context,
+            table_rows=rows if skipped else None,
         )
         drafts = self.proposer.propose(batch)
         out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model

@@ -8,11 +8,17 @@ static engine's requests accepted at the largest cap (every request drafting ali
 the adaptive engine prices a request without counts of its own at (``AcceptanceStats.engine_rates``)
 and what its deep drafts, drafted for the requests it chose, accepted (the positions' own tests,
 pooled). Served runs (`adaptive_spec.py`) add the API server and a process per engine; this
-isolates the engine and the policy.
+isolates the engine and the policy. --mixed runs `adaptive_spec.py`'s mixed workload instead:
+every other request opted out (`speculative: false`, in every mode), the rest code-like
+repetitive prompts; --questions takes the prompts from a JSONL file (`question`, `prompt` or
+`text` per row) instead of the built-in set.
 
     python benchmarks/adaptive_offline.py --concurrency 16 --rounds 4
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 4 --cap 1,2,3
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 2 --only adaptive   # one engine
+    python benchmarks/adaptive_offline.py --model phalanx-math --spec '{"method": "eagle", "model": \
+        "phalanx-math-eagle", "num_speculative_tokens": 3}' --questions evals/phalanx-math/phalanx_math_test.jsonl \
+        --mixed --concurrency 16 --rounds 4 --prompts 128 --cap 3
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
+
+from adaptive_spec import code_like_prompts, questions, workload
 
 from phalanx import LLM, SamplingParams
 from phalanx.training.prompts import builtin_prompt_set
@@ -39,14 +48,22 @@ def main() -> None:
     ap.add_argument("--only", choices=("adaptive", "static", "plain"), default=None,
                     help="one engine alone: the adaptive one, the static one capped at --cap, or one without "
                          "a drafter (to compare two builds process by process, e.g. one on PYTHONPATH)")
+    ap.add_argument("--mixed", action="store_true",
+                    help="every other request opted out, the rest code-like repetitive prompts")
+    ap.add_argument("--questions", type=Path, default=None,
+                    help="JSONL of prompts (question / prompt / text) instead of the built-in held-out set")
     args = ap.parse_args()
     spec = json.loads(args.spec)
     caps = [int(c) for c in args.cap.split(",")]
-    held = builtin_prompt_set(4000, seed=0).held_out
     n = args.prompts or 2 * args.concurrency
-    if len(held) < n:
-        raise SystemExit(f"only {len(held)} held-out prompts")
-    msgs = [[{"role": "user", "content": c[-1]["content"]}] for c in held[:n]]
+    if args.questions is not None:
+        prompts = questions(args.questions, n)
+    else:
+        prompts = [c[-1]["content"] for c in builtin_prompt_set(4000, seed=0).held_out[:n]]
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} prompts, {n} wanted")
+    items = workload(prompts, code_like_prompts(n), args.mixed, n)  # (prompt, may speculate)
+    msgs = [[{"role": "user", "content": p}] for p, _ in items]
     adaptive = None
     if args.only == "plain":
         modes = {"plain": (LLM(args.model, max_num_seqs=args.concurrency), {})}
@@ -64,8 +81,12 @@ def main() -> None:
                 "adaptive": (adaptive, {}),
                 "plain@adaptive": (adaptive, {"speculative": False}),
             }
+    def params(extra: dict, max_tokens: int) -> list[SamplingParams]:  # an opted-out item stays out
+        return [SamplingParams(temperature=0, max_tokens=max_tokens, **(extra if ok else {"speculative": False}))
+                for _, ok in items]
+
     for llm, extra in modes.values():  # warm-up
-        llm.chat(msgs[:2], SamplingParams(temperature=0, max_tokens=16, **extra), use_tqdm=False)
+        llm.chat(msgs[:2], params(extra, 16)[:2], use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in modes}
     seen = list(adaptive.engine.scheduler.spec_draft_lengths) if adaptive is not None else []
     chosen: list[int] | None = None
@@ -74,10 +95,9 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for name, (llm, extra) in order:
-            sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, **extra)
             before = llm.engine.stats()
             start = time.perf_counter()
-            outs = llm.chat(msgs, sp, use_tqdm=False)
+            outs = llm.chat(msgs, params(extra, args.max_tokens), use_tqdm=False)
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
             if name == deepest:
                 after = llm.engine.stats()

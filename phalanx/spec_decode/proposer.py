@@ -64,7 +64,7 @@ class ProposeBatch:
     num_computed: list[int]  # per request: position of the first token scheduled this step
     num_valid: list[int]  # per request: scheduled tokens whose target state is valid (minus rejected)
     num_drafts: list[int]  # per request: drafts wanted after this step (0: none), at most k
-    block_table: torch.Tensor  # [R or the step's, max_blocks] int64, covering the lookahead slots too
+    block_table: torch.Tensor  # [R, max_blocks] int64 (the step's, with `table_rows`), covering the lookahead slots too
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
     prompt_lens: list[int]  # per request: its prompt's length (prompt positions are never deferred)
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states

@@ -377,39 +377,37 @@ class ModelRunner:
                 offset += q_lens[i]
                 continue
             produced = len(out.sampled_token_ids[i])
-            drafts = len(sched.scheduled_spec_tokens.get(req_id, ()))
+            verified = len(sched.scheduled_spec_tokens.get(req_id, ()))
             rows.append(i)
             ids.append(req_id)
             token_ids.append(st.token_ids)
             prompt_lens.append(len(st.prompt_token_ids))
             nc.append(num_computed[i])
             # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
-            num_valid.append(q_lens[i] - drafts + max(produced - 1, 0))
+            num_valid.append(q_lens[i] - verified + max(produced - 1, 0))
             num_drafts.append(sched.draft_lengths.get(req_id, 0) if produced > 0 else 0)
             offsets.append(offset)
             offset += q_lens[i]
-        if not ids and leave_out:  # every request opted out: the drafter has nothing to do
-            out.drafter_kv_end = dict.fromkeys(skipped, 0) if self.num_lookahead_slots > 0 else {}
-            return [[] for _ in req_ids]
-        batch = ProposeBatch(
-            req_ids=ids,
-            token_ids=token_ids,
-            num_computed=nc,
-            num_valid=num_valid,
-            num_drafts=num_drafts,
-            block_table=block_table,
-            token_offsets=offsets,
-            prompt_lens=prompt_lens,
-            target_hidden=hidden if self.proposer.needs_target_hidden else None,
-            target_aux=aux,
-            pass_sizes=pass_sizes,
-            pass_context=self._pass_context,
-            table_rows=rows if skipped else None,
-        )
-        drafts = self.proposer.propose(batch)
-        out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
-        out.drafter_rows_fed = self.proposer.rows_fed
-        out.drafter_pass_rows = self.proposer.pass_rows
+        drafts: list[list[int]] = []
+        if ids or not leave_out:  # (every request opted out: nothing reaches the drafter)
+            drafts = self.proposer.propose(ProposeBatch(
+                req_ids=ids,
+                token_ids=token_ids,
+                num_computed=nc,
+                num_valid=num_valid,
+                num_drafts=num_drafts,
+                block_table=block_table,
+                token_offsets=offsets,
+                prompt_lens=prompt_lens,
+                target_hidden=hidden if self.proposer.needs_target_hidden else None,
+                target_aux=aux,
+                pass_sizes=pass_sizes,
+                pass_context=self._pass_context,
+                table_rows=rows if skipped else None,
+            ))
+            out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
+            out.drafter_rows_fed = self.proposer.rows_fed
+            out.drafter_pass_rows = self.proposer.pass_rows
         # requests whose drafter catch-up waits: their blocks are published to the prefix cache only
         # up to where the drafter's KV is complete; those left out have none (a model drafter's)
         out.drafter_kv_end = self.proposer.drafter_kv_ends()

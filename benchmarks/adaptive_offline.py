@@ -18,7 +18,7 @@ repetitive prompts; --questions takes the prompts from a JSONL file (`question`,
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 2 --only adaptive   # one engine
     python benchmarks/adaptive_offline.py --model phalanx-math --spec '{"method": "eagle", "model": \
         "phalanx-math-eagle", "num_speculative_tokens": 3}' --questions evals/phalanx-math/phalanx_math_test.jsonl \
-        --mixed --concurrency 16 --rounds 4 --prompts 128 --cap 3
+        --mixed --concurrency 16 --rounds 6 --prompts 128 --cap 1,3
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def main() -> None:
                 "adaptive": (adaptive, {}),
                 "plain@adaptive": (adaptive, {"speculative": False}),
             }
+
     def params(extra: dict, max_tokens: int) -> list[SamplingParams]:  # an opted-out item stays out
         return [SamplingParams(temperature=0, max_tokens=max_tokens, **(extra if ok else {"speculative": False}))
                 for _, ok in items]

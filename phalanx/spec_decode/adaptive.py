@@ -224,10 +224,12 @@ class AcceptanceStats:
             out.append(rate)
         return out
 
-    def rates(self, req_ids: list[str]) -> np.ndarray:  # [R, k] conditional acceptance per position
+    def rate_rows(self, req_ids: list[str]) -> list[list[float]]:  # [R][k], on one `curve()`
         curve = self.curve()
-        rows = [self.rates_of(r, curve) for r in req_ids]
-        return np.array(rows, dtype=np.float64).reshape(len(req_ids), self.k)
+        return [self.rates_of(r, curve) for r in req_ids]
+
+    def rates(self, req_ids: list[str]) -> np.ndarray:  # [R, k] conditional acceptance per position
+        return np.array(self.rate_rows(req_ids), dtype=np.float64).reshape(len(req_ids), self.k)
 
 
 class StepFit(NamedTuple):
@@ -868,8 +870,7 @@ class AdaptiveDrafting:
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # plain Python: cheaper between forward passes
-            curve = self.acceptance.curve()
-            rates = [self.acceptance.rates_of(r, curve) for r in req_ids]
+            rates = self.acceptance.rate_rows(req_ids)
             lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost, DRAFT_MIN_GAIN)
         else:
             rates = self.acceptance.rates(req_ids)

@@ -332,8 +332,6 @@ def plan_passes(batch: ProposeBatch, feeds: list[Feed], drafting: list[int],
                 chains: Callable[[ProposeBatch], bool]) -> PassPlan:
     """How many passes the model drafter runs for `feeds` (`drafting`: those that get drafts), and
     what they feed, for the step-cost model."""
-    if not feeds and batch.pass_sizes is None:  # nothing to feed, nothing voted: no pass
-        return PassPlan([], 0, 0, 0, False)
     drafting = deepest_first(drafting, lambda f: batch.num_drafts[feeds[f].row])
     passes = num_passes(batch, batch.num_drafts[feeds[drafting[0]].row] if drafting else 0, bool(feeds))
     rows_fed = sum(len(f.token_ids) for f in feeds)

@@ -90,7 +90,9 @@ def main() -> None:
         llm.chat(msgs[:2], params(extra, 16)[:2], use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in modes}
     seen = list(adaptive.engine.scheduler.spec_draft_lengths) if adaptive is not None else []
+    parked_before = adaptive.engine.scheduler.spec_num_parked if adaptive is not None else 0
     chosen: list[int] | None = None
+    parked = 0
     deepest = f"k={max(caps)}@static"
     verified, accepted = 0, [0] * max(caps)  # the deepest cap's verifications, accepted per position
     for r in range(args.rounds):
@@ -109,9 +111,11 @@ def main() -> None:
                 now = list(adaptive.engine.scheduler.spec_draft_lengths)
                 if name == "adaptive":
                     chosen = [a - b for a, b in zip(now, seen)]
-                seen = now
+                    parked = adaptive.engine.scheduler.spec_num_parked - parked_before
+                seen, parked_before = now, adaptive.engine.scheduler.spec_num_parked
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()) + " tok/s"
-              + (f"; adaptive's draft lengths 0..k: {chosen}" if chosen is not None else ""), flush=True)
+              + (f"; adaptive's draft lengths 0..k: {chosen}, requests parked {parked}" if chosen is not None else ""),
+              flush=True)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     line = "medians: " + ", ".join(f"{k} {v:.1f}" for k, v in medians.items()) + " tok/s"
     others = [k for k in medians if k.endswith("@static")]

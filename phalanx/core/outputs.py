@@ -27,6 +27,8 @@ class NewRequestData:
     # Tokens the request produced before it reached this engine (a request replayed after the rank
     # that ran it died): they follow the prompt and count as output (penalties, min/max_tokens).
     output_token_ids: list[int] = field(default_factory=list)
+    # Parked by the adaptive policy: it never drafts, so it never reaches the drafter (as if opted out).
+    parked: bool = False
 
 
 @dataclass
@@ -86,6 +88,7 @@ class ModelRunnerOutput:
     num_drafter_passes: int = 0
     drafter_rows_fed: int = 0  # positions the drafter's first pass fed
     drafter_pass_rows: int = 0  # positions its later passes fed
+    drafting_reqs: int = 0  # requests the drafter was asked to draft for
     # Requests whose drafter catch-up waits, or that never feed the drafter (opted out; 0)
     # (``spec_decode.proposer``): the first position without drafter KV; their blocks from there on
     # go to the prefix cache marked without it.
@@ -121,3 +124,4 @@ class SchedulerStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     # How many times a request reaching its end was given each draft length 0..k (cumulative).
     spec_draft_lengths: list[int] = field(default_factory=list)
+    spec_num_parked: int = 0  # requests the adaptive policy parked (cumulative)

@@ -29,7 +29,7 @@ from phalanx.core.outputs import (
     SchedulerStats,
 )
 from phalanx.request import FinishReason, Request, RequestStatus
-from phalanx.spec_decode.adaptive import AdaptiveDrafting
+from phalanx.spec_decode.adaptive import SCOUTS, AdaptiveDrafting
 
 
 class Scheduler:
@@ -61,6 +61,7 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * max(num_spec_tokens, 0)
         self.spec_draft_lengths = [0] * (num_spec_tokens + 1) if num_spec_tokens > 0 else []
+        self.spec_num_parked = 0
         # Requests whose drafter catch-up waits after the last step: the first position it lacks
         # (`ModelRunnerOutput.drafter_kv_end`); the adaptive policy's explorations read the waits.
         self._drafter_waiting: dict[str, int] = {}
@@ -172,6 +173,9 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 held_back.append(self.waiting.popleft())
                 continue
+            if req.own_draft_cap > 0 and req.req_id not in self._runner_knows and self._parks():
+                req.own_draft_cap, req.parked = 0, True
+                self.spec_num_parked += 1
             # a request that drafts needs its prefix's drafter KV too (one that never drafts does not)
             drafts = req.own_draft_cap > 0
             hit_blocks, num_hit = self.kv.get_computed_blocks(req, need_drafter_kv=drafts)
@@ -205,6 +209,7 @@ class Scheduler:
                         block_ids,
                         num_hit,
                         list(req.output_token_ids),
+                        req.parked,
                     )
                 )
             num_scheduled[req.req_id] = num_new
@@ -260,6 +265,14 @@ class Scheduler:
         out = len(req.output_token_ids)
         room = min(req.max_tokens - out, self.max_model_len - len(req.prompt_token_ids) - out) - 2
         return max(min(req.own_draft_cap, room), 0)
+
+    def _parks(self) -> bool:
+        """Whether a request that may draft, arriving now, is parked: the adaptive policy has drafted
+        nothing for a while (`AdaptiveDrafting.parks`) and `SCOUTS` requests that may draft run
+        unparked besides."""
+        if self.adaptive is None or not self.adaptive.parks():
+            return False
+        return sum(1 for r in self.running if r.own_draft_cap > 0) >= SCOUTS
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""
@@ -348,4 +361,5 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
             spec_draft_lengths=list(self.spec_draft_lengths),
+            spec_num_parked=self.spec_num_parked,
         )

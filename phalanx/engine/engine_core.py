@@ -50,7 +50,8 @@ class EngineCore:
         # of the padded steps it runs with the others) and its requests' acceptance.
         self.adaptive = (
             AdaptiveDrafting(spec.num_speculative_tokens, drafter_passes=self.runner.num_lookahead_slots > 0,
-                             logit_share=logit_share(cfg.model))
+                             logit_share=logit_share(cfg.model),
+                             may_park=self.runner.num_lookahead_slots > 0 and not self.lockstep)
             if spec is not None and spec.adaptive
             else None
         )
@@ -152,6 +153,7 @@ class EngineCore:
                 drafter_passes=result.num_drafter_passes,
                 drafter_rows=result.drafter_rows_fed,
                 drafter_pass_rows=result.drafter_pass_rows,
+                drafting_reqs=result.drafting_reqs,
                 num_logit_rows=len(sched.reaching_end) + num_draft_rows,
                 num_draft_rows=num_draft_rows,
             ))
@@ -163,16 +165,16 @@ class EngineCore:
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
         tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
         `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
-        fed and `drafter_pass_rows` those its later passes fed, `forward` / `drafter` the seconds in
-        the target's forward and in the drafter, `tokens` the tokens the step emitted. What tells
-        where a step's time goes, per batch shape."""
+        fed and `drafter_pass_rows` those its later passes fed, `drafting` the requests it drafted
+        for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
+        the tokens the step emitted. What tells where a step's time goes, per batch shape."""
         assert self._step_log is not None
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "rows": sched.total_num_scheduled_tokens,
             "reqs": len(sched.num_scheduled_tokens),
             "drafts": num_draft_rows,
             "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,
-            "drafter_pass_rows": result.drafter_pass_rows,
+            "drafter_pass_rows": result.drafter_pass_rows, "drafting": result.drafting_reqs,
             "forward": self.runner.forward_seconds - forward_before,
             "drafter": self.runner.drafter_seconds - drafter_before,
             "tokens": emitted,

@@ -103,6 +103,7 @@ class _RankCounters:
     spec_per_pos: list[int] = field(default_factory=list)
     preemptions: int = 0
     spec_draft_lengths: list[int] = field(default_factory=list)
+    spec_parked: int = 0
 
 
 class ServingMetrics:
@@ -173,6 +174,13 @@ class ServingMetrics:
             "Requests reaching their end given this draft length for the next step (0..k: the request's "
             "cap, disable_by_batch_size or the adaptive policy).",
             e + ["length"],
+            registry=r,
+        )
+        self.spec_parked = Counter(
+            "phalanx:spec_decode_num_parked_requests",
+            "Requests the adaptive policy parked on arrival (run without drafts: it had drafted nothing "
+            "for a while).",
+            e,
             registry=r,
         )
         self.rank_deaths = Counter(
@@ -256,6 +264,7 @@ class ServingMetrics:
         for length, count in enumerate(s.spec_draft_lengths):
             before = last.spec_draft_lengths[length] if length < len(last.spec_draft_lengths) else 0
             _inc(self.spec_draft_length.labels(*labels, str(length)), count - before)
+        _inc(self.spec_parked.labels(*labels), s.spec_num_parked - last.spec_parked)
         self._last[rank] = _RankCounters(
             s.prefix_cache_queries,
             s.prefix_cache_hits,
@@ -265,6 +274,7 @@ class ServingMetrics:
             list(s.spec_accepted_per_pos),
             s.num_preemptions,
             list(s.spec_draft_lengths),
+            s.spec_num_parked,
         )
 
     # ---- recovery ---------------------------------------------------------------------------

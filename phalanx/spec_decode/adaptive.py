@@ -48,15 +48,18 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
-# A batch that reaches its ends with the same requests and base rows as the last decision keeps
-# that decision for up to this many decisions in all (an exploration still comes when due): at
-# one request the decision, with cold caches between forward passes, took ~32 us, ~3 % of a demo
-# step, while the estimates it reads move by a verification's weight a step. Caps that fell since
-# (requests nearing max_tokens lower theirs, at 16 requests on a third of the steps) keep it too
-# while they still hold its lengths: the best choice among more candidates is the best among fewer
-# that include it. A decision that drafts nothing stands until the next exploration: with no
-# drafts no verification moves the acceptance it read, only the step-time fit drifts (the demo's
-# mixed workload at 16 requests: ~120 us a fresh decision on ~1.6 ms steps).
+# A batch that reaches its ends with the same requests that may draft (a cap above 0; those that
+# may not come and go freely) and base rows as the last decision keeps that decision for up to
+# this many decisions in all (an exploration still comes when due): at one request the decision,
+# with cold caches between forward passes, took ~32 us, ~3 % of a demo step, while the estimates
+# it reads move by a verification's weight a step. Caps that fell since (requests nearing
+# max_tokens lower theirs, at 16 requests on a third of the steps) keep it too while they still
+# hold its lengths: the best choice among more candidates is the best among fewer that include
+# it. A decision that drafts nothing stands until the next exploration, for base rows anywhere
+# near the same grid point of the step-cost fits (`StepCostModel.grid_point`): with no drafts no
+# verification moves the acceptance it read, only the step-time fit drifts, and a request more or
+# less in the batch moves it little (the demo's mixed workload at 16 requests: ~120 us a fresh
+# decision on ~1.6 ms steps, and the batch changed every few steps).
 REUSE_DECISIONS = 4
 # Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
@@ -71,6 +74,18 @@ MIN_DRAFTING_STEPS = 8
 # verification's per-step Python). Where drafting pays clearly (chat at one request: +70 %) this
 # changes nothing.
 DRAFT_MIN_GAIN = 0.03
+# Once the policy's decisions have drafted nothing for this many decisions in a row (explorations
+# aside), a request that may draft and arrives now is parked (`AdaptiveDrafting.parks`): it runs as
+# if opted out for its whole life, so its prompt never feeds the drafter and no wait of its is kept
+# step after step. A request that may draft but is given nothing still costs the engine those: on
+# the demo model at 16 requests, half of them opted out and the rest never drafting, ~12 % of
+# plain decoding's tokens per second. Two explorations' worth: the policy has looked again twice.
+PARK_AFTER = 2 * EXPLORE_EVERY
+# Requests are parked only while at least this many requests that may draft run unparked: they
+# keep the policy deciding, exploring and measuring at this load, so that when drafting pays again
+# (the load falls, the text turns repetitive) the policy sees it, and the requests that arrive then
+# draft.
+SCOUTS = 1
 # Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
 # is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load
 # of the weights), so time jumps just past each multiple of 16 and most past each multiple of 32
@@ -224,18 +239,24 @@ class AcceptanceStats:
             out.append(rate)
         return out
 
-    def rate_rows(self, req_ids: list[str]) -> list[list[float]]:  # [R][k], on one `curve()`
+    def rate_rows(self, req_ids: list[str], caps: list[int] | None = None) -> list[list[float]]:  # [R][k]
+        """`rates_of` each request, on one `curve()`; a request whose cap is 0 (`caps`) gets zeros
+        (it drafts nothing: its rates are never read)."""
         curve = self.curve()
-        return [self.rates_of(r, curve) for r in req_ids]
+        if caps is None:
+            return [self.rates_of(r, curve) for r in req_ids]
+        zeros = [0.0] * self.k
+        return [self.rates_of(r, curve) if c else zeros for r, c in zip(req_ids, caps)]
 
-    def rates(self, req_ids: list[str]) -> np.ndarray:  # [R, k] conditional acceptance per position
-        return np.array(self.rate_rows(req_ids), dtype=np.float64).reshape(len(req_ids), self.k)
+    def rates(self, req_ids: list[str], caps: list[int] | None = None) -> np.ndarray:  # [R, k]
+        return np.array(self.rate_rows(req_ids, caps), dtype=np.float64).reshape(len(req_ids), self.k)
 
 
 class StepFit(NamedTuple):
     """Step time = fixed + per_row * (rows without logits) + per_logit_row * (rows that compute
-    logits) + verify_cost * (the step verifies drafts) + first_cost * (the drafter ran) + pass_cost *
-    (its passes after the first), near one batch size."""
+    logits) + draft_row * (draft rows) + verify_cost * (the step verifies drafts) + first_cost * (the
+    drafter ran) + pass_cost * (its passes after the first) + request_cost * (requests drafted for),
+    near one batch size."""
 
     fixed: float
     per_row: float  # a row that computes no logits (a prompt row)
@@ -252,11 +273,18 @@ class StepFit(NamedTuple):
     # steps whose first pass fed many (`BULK_FEED`: catch-ups, prompts), at any batch size; the
     # local slope `drafter_row` where none was measured.
     catch_up_row: float = 0.0
+    # What a draft row costs on top of a row that computes logits: the drafter feeds it (pass 1 a
+    # request's first draft position, a later pass each deeper one).
+    draft_row: float = 0.0
+    # What a request that drafts at all costs besides its draft rows: the drafter's work per
+    # request, and feeding it the positions its last step accepted (the local mean of those beyond
+    # one a drafting request fed).
+    request_cost: float = 0.0
 
 
 # The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
 _FIELDS = ("rows", "logit_rows", "seconds", "drafter", "passes", "drafts", "fed", "pass_rows", "forward",
-           "step")
+           "drafting", "step")
 
 
 class StepProfile(NamedTuple):
@@ -280,11 +308,12 @@ class StepCostModel:
     the policy asks.
 
     Every step leaves (rows, logit rows, whether it verified drafts, passes, positions the first
-    pass fed and the later ones fed, seconds, drafter seconds) in a window of the last `window`
-    steps. `fit(base)` fits
+    pass fed and the later ones fed, requests drafted for, seconds, drafter seconds) in a window of
+    the last `window` steps. `fit(base)` fits
 
         seconds = fixed + row * rows + logit_extra * logit_rows + verify_cost * [drafts verified]
                   + drafter_row * positions_fed + first_cost * [passes >= 1] + pass_cost * max(passes - 1, 0)
+                  + request_cost * requests_drafted_for
 
     over that window by weighted least squares, each step weighted by its recency (half-life
     `half_life` steps) and by how close its rows are to `base` (a Gaussian in log(rows +
@@ -296,8 +325,8 @@ class StepCostModel:
     draft row does, a prompt row does not: the lm_head and sampling are a fifth of a row's cost on
     a small model, and most of the rows' variation at high load is prompts') and whether it
     verified drafts (a fixed cost: the rejection sampler, the per-draft bookkeeping); the drafter's
-    part (`_fit_drafter`, catch-ups left out) against the positions its passes fed, whether it ran
-    and its later passes together (deep drafts happen at low load and shallow ones at high load, so
+    part (`_fit_drafter`, catch-ups left out) against the positions its passes fed, the requests it
+    drafted for, whether it ran and its later passes together (deep drafts happen at low load and shallow ones at high load, so
     pricing passes without the rows would charge one for the other). The drafter runs no pass in a
     step where no request drafts (its catch-up waits: ``spec_decode.proposer``), so the first pass
     is priced apart: drafting at all costs it, and verifying them. A pass is ~2 % of a step, below
@@ -307,8 +336,10 @@ class StepCostModel:
     once per step), the logit rows' extra towards `logit_share` of the rows', the verification
     towards 0, the drafter's towards its time ~ positions + PRIOR_FIXED_ROWS, the fixed part spread
     over its passes.
-    No cost is ever negative, so predicted time never falls as drafts are added. `StepFit` prices a
-    row as if the drafter fed it (it does when every request drafts).
+    No cost is ever negative, so predicted time never falls as drafts are added. `StepFit` prices the
+    drafter's positions where it feeds them: a prompt row (always fed) and a draft row, not the
+    decode row of a request that does not draft (it waits); a drafting request's other positions
+    (what its last step accepted) go with its `request_cost`.
 
     Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
     step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
@@ -357,12 +388,12 @@ class StepCostModel:
         # nine numpy stores a step, with cold caches between forward passes, cost ~5 us a step.
         self._data = np.zeros((len(_FIELDS), window))
         (self._rows, self._logit_rows, self._seconds, self._drafter, self._passes, self._drafts, self._fed,
-         self._pass_rows, self._forward, self._step) = self._data
+         self._pass_rows, self._forward, self._drafting, self._step) = self._data
         self._step[:] = -np.inf  # -inf: an empty slot
         # _drafter: seconds (0 where it ran no pass); _drafts: the draft rows the step verified;
         # _fed: positions the drafter's first pass fed; _pass_rows: those its later passes fed;
-        # _forward: seconds in the target's forward and lm_head; _step: the step count each entry
-        # was taken at
+        # _forward: seconds in the target's forward and lm_head; _drafting: the requests the drafter
+        # drafted for; _step: the step count each entry was taken at
         self._pending: list[tuple[float, ...]] = []
         self._next = 0
         self._count = 0
@@ -454,13 +485,13 @@ class StepCostModel:
 
     def observe(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                 num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-                forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
+                forward_seconds: float | None = None, drafter_pass_rows: int = 0, drafting_reqs: int = 0) -> None:
         """One step: `num_rows` through the target forward, `num_logit_rows` of them computing logits
         (None: all), `num_draft_rows` of those verifying drafts, `seconds` for the whole step, of which
         `drafter_seconds` in `drafter_passes` drafter passes, the first of which fed `drafter_rows`
         positions (None: the step's rows; more where a catch-up waited, fewer where it now waits)
-        and the later ones `drafter_pass_rows` together, and `forward_seconds` in the target's
-        forward and lm_head (None: all but the drafter's)."""
+        and the later ones `drafter_pass_rows` together, drafting for `drafting_reqs` requests, and
+        `forward_seconds` in the target's forward and lm_head (None: all but the drafter's)."""
         if num_rows <= 0 or seconds <= 0:
             return
         self._count += 1
@@ -471,7 +502,7 @@ class StepCostModel:
         self._pending.append((
             num_rows, num_rows if num_logit_rows is None else num_logit_rows, seconds, drafter, drafter_passes,
             num_draft_rows, num_rows if drafter_rows is None else drafter_rows, drafter_pass_rows, forward,
-            self._count,
+            drafting_reqs, self._count,
         ))
         if len(self._pending) >= self.window:
             self._flush()
@@ -493,12 +524,12 @@ class StepCostModel:
 
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
-        that stands for `base_rows` (`_grid`). With a profile, whether any step was measured: the
+        that stands for `base_rows` (`grid_point`). With a profile, whether any step was measured: the
         shape is known everywhere, and any step gives its scale."""
         if self._profile is not None:
             return self.measured
         self._expire()
-        return self._near_any(self._grid(base_rows))
+        return self._near_any(self.grid_point(base_rows))
 
     def _near_any(self, j: int) -> bool:
         """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands
@@ -543,7 +574,8 @@ class StepCostModel:
         if total > 0:
             wd = wd / total
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
-        drafter_row, first_cost, pass_cost, drafter_fixed, catch_up_row = self._fit_drafter(w, wd, recency)
+        drafter_row, first_cost, pass_cost, drafter_fixed, catch_up_row, request_cost = self._fit_drafter(
+            w, wd, recency)
         dv = v - np.roll(v, 1)
         if self._profile is not None:
             # The target's forward and lm_head: the profiled shape times one scale, the ratio of
@@ -565,9 +597,9 @@ class StepCostModel:
                 gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, (dz * wd) @ dr), 0.0).tolist()
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
-            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(drafter_row + rest_row),
+            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row),
                            float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
-                           catch_up_row)
+                           catch_up_row, drafter_row, request_cost)
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
@@ -593,20 +625,25 @@ class StepCostModel:
             target_row = row_prior / (1.0 + self.logit_share)
             verify_cost = 0.0
         fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
-        # Priced as if the drafter fed every row of the step (it does when every request drafts).
-        per_row, logit_row = target_row + drafter_row, logit_row + drafter_row
-        return StepFit(float(fixed), float(per_row), float(logit_row), float(first_cost), float(pass_cost),
-                       float(verify_cost), 0.0, catch_up_row)
+        # The drafter feeds a prompt row (always) and a draft row (a drafting request's), not a decode
+        # row of a request that does not draft (it waits).
+        return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row), float(first_cost),
+                       float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost)
 
     def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray
-                     ) -> tuple[float, float, float, float, float]:
+                     ) -> tuple[float, float, float, float, float, float]:
         """The drafter's part of the local fit (`w`: the steps' weights, `wd`: the step-to-step
         pairs', `recency`: the steps' recency alone): (seconds a position fed, its first pass, each
-        later pass, its fixed part, a caught-up position's `StepFit.catch_up_row`), from
-        its own timer: a pass is ~2 % of a step, far below the step's jitter, but not below the
-        drafter's.
+        later pass, its fixed part, a caught-up position's `StepFit.catch_up_row`, a drafting
+        request's `StepFit.request_cost`), from its own timer: a pass is ~2 % of a step, far below
+        the step's jitter, but not below the drafter's.
 
             drafter = fixed + row * positions fed (all passes) + first * [passes >= 1] + pass * (passes - 1)
+                      + request * requests drafted for
+
+        A request drafted for costs the drafter its own work besides the positions it feeds (its
+        rows of the pass, its drafts' bookkeeping; prior 0): on the demo model at 16 requests
+        ~50 us, against ~6 us a position and ~60 us for a whole decode row of the target.
 
         A later pass feeds one position per request drafting that deep; those are positions, so a
         pass is priced at its overhead. The steps whose first pass caught up a wait (`BULK_FEED`
@@ -623,7 +660,8 @@ class StepCostModel:
         if (w * kept).sum() > 0:  # (else only catch-ups near here: they are all there is to go by)
             w = w * kept / (w * kept).sum()
             wd = wd * kept * np.roll(kept, 1)
-        md, mf, mu, mq = w @ d, w @ fed, w @ u, w @ q
+        r = self._drafting
+        md, mf, mu, mq, mr = w @ d, w @ fed, w @ u, w @ q, w @ r
         # What the drafter takes in the steps near here that ran no pass (its bookkeeping; none
         # where every step ran one): its fixed part, at most.
         idle = w * (passes == 0)
@@ -636,16 +674,18 @@ class StepCostModel:
         # and drafting stopped.
         drafter_row = max(md - idle_cost, 0.0) / (mf + PRIOR_FIXED_ROWS * mu) if mf + mu > 0 else 0.0
         first_cost = pass_cost = drafter_row * PRIOR_FIXED_ROWS * mu / (mu + mq) if mu + mq > 0 else 0.0
+        request = 0.0
         total = wd.sum()
         if total > 0:
             wd = wd / total
             # Each prior weighs one pair of steps (the row's: PRIOR_FIXED_ROWS positions apart).
-            ridge = float(wd @ wd) * np.array([self.drafter_row_ridge, self.pass_ridge, self.pass_ridge])
-            dz = np.stack([fed - np.roll(fed, 1), u - np.roll(u, 1), q - np.roll(q, 1)])  # [3, window]
+            ridge = float(wd @ wd) * np.array([self.drafter_row_ridge, self.pass_ridge, self.pass_ridge,
+                                               self.pass_ridge])
+            dz = np.stack([fed - np.roll(fed, 1), u - np.roll(u, 1), q - np.roll(q, 1), r - np.roll(r, 1)])  # [4, window]
             gram = (dz * wd) @ dz.T + np.diag(ridge)
-            rhs = (dz * wd) @ (d - np.roll(d, 1)) + ridge * np.array([drafter_row, first_cost, pass_cost])
-            drafter_row, first_cost, pass_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
-        drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq
+            rhs = (dz * wd) @ (d - np.roll(d, 1)) + ridge * np.array([drafter_row, first_cost, pass_cost, 0.0])
+            drafter_row, first_cost, pass_cost, request = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+        drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq - request * mr
         if drafter_fixed < 0.0:
             # The drafter takes no time where it feeds nothing and runs no pass, so its fixed part
             # is not negative. It comes out negative where its parts are not told apart: where every
@@ -662,8 +702,8 @@ class StepCostModel:
                 first_cost, drafter_fixed = first_cost - cut, drafter_fixed + cut * mu
             if drafter_fixed < 0.0:
                 explained = md - drafter_fixed  # > md >= 0
-                drafter_row, first_cost, pass_cost = (
-                    x * md / explained for x in (drafter_row, first_cost, pass_cost))
+                drafter_row, first_cost, pass_cost, request = (
+                    x * md / explained for x in (drafter_row, first_cost, pass_cost, request))
             drafter_fixed = 0.0
         if drafter_fixed > idle_cost and mu > 0.0:
             # Nor is it more than the drafter takes in the steps near here that ran no pass: the
@@ -679,13 +719,19 @@ class StepCostModel:
         wb = recency[bulk]
         catch_up_row = (float(wb @ np.maximum(d[bulk] - pass_cost * q[bulk], 0.0))
                         / float(wb @ fed[bulk]) if wb.sum() > 0 else drafter_row)
-        return float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed), catch_up_row
+        # A drafting request's first pass feeds the positions its last step accepted besides its
+        # first draft's: the local mean of those, over the steps that fed no prompt rows (a prompt's
+        # positions are fed whether or not anything drafts, and priced as rows).
+        decode = w * (r > 0) * (self._rows <= self._logit_rows)
+        accepted = (float(decode @ np.maximum(self._fed - r, 0.0)) / float(decode @ r)) if decode.sum() > 0 else 0.0
+        return (float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed), catch_up_row,
+                float(request + drafter_row * accepted))
 
     def _cached_fit(self, rows: float, always: bool = False) -> StepFit | None:
         """The fit at the grid point nearest `rows` (None where no step was measured within its cut,
         unless `always`), reused for `refit_every` steps and `refit_seconds` (`_expire`)."""
         self._expire()
-        j = self._grid(rows)
+        j = self.grid_point(rows)
         if j not in self._fits or (always and self._fits[j] is None):
             self._fits[j] = self.fit(self._grid_rows(j)) if always or self._near_any(j) else None
         return self._fits[j]
@@ -700,7 +746,7 @@ class StepCostModel:
             self._near.clear()
             self._fits_since, self._fits_since_seconds = self._count, self._seconds_seen
 
-    def _grid(self, rows: float) -> int:
+    def grid_point(self, rows: float) -> int:
         """Fits are taken at grid points half the bandwidth apart in log(rows + PRIOR_FIXED_ROWS), the
         nearest one standing for `rows` (a fit weighs steps up to two bandwidths away: it moves little
         over a quarter of one): batch sizes that differ by a request or a prompt chunk share one fit
@@ -755,7 +801,8 @@ class StepCostModel:
                 continue
             logits = logit_base + (a - base_rows)  # draft rows compute logits
             # a fit extrapolated below zero stays positive
-            times.append(max(f.fixed + f.per_row * (a - logits) + f.per_logit_row * logits, 1e-6))
+            times.append(max(f.fixed + f.per_row * (a - logits) + f.per_logit_row * logits
+                             + f.draft_row * (a - base_rows), 1e-6))
         # Linear between anchors, kept non-decreasing; plain Python (a few hundred points at most:
         # cheaper than numpy between forward passes).
         curve: list[float] = []
@@ -775,6 +822,13 @@ class StepCostModel:
         self._curves[key] = result
         return result
 
+    def request_cost(self, base_rows: float) -> float:
+        """What a request drafting at all costs besides its draft rows (`StepFit.request_cost`),
+        asked near `base_rows`."""
+        f = self._cached_fit(base_rows, always=True)
+        assert f is not None
+        return f.request_cost
+
     def catch_up_cost(self, base_rows: float) -> float:
         """What feeding the drafter one waiting position costs in a catch-up (`StepFit.catch_up_row`),
         asked near `base_rows`."""
@@ -791,7 +845,8 @@ class StepCostModel:
         assert f is not None
         m = np.arange(num_extra + 1, dtype=np.float64)
         rows, logits = base_rows + m, logit_base + m
-        times = f.scale * self.shape(rows, logits, m) + f.fixed + f.per_row * (rows - logits) + f.per_logit_row * logits
+        times = (f.scale * self.shape(rows, logits, m) + f.fixed + f.per_row * (rows - logits)
+                 + f.per_logit_row * logits + f.draft_row * m)
         curve = np.maximum.accumulate(np.maximum(times, 1e-6)).tolist()
         return curve, f.first_cost + f.verify_cost, f.pass_cost
 
@@ -816,12 +871,14 @@ def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray
 
 
 class Decision(NamedTuple):
-    """A fresh decision of `AdaptiveDrafting.choose`, kept for reuse."""
+    """A fresh decision of `AdaptiveDrafting.choose`, kept for reuse: over the requests that may
+    draft (a cap above 0), in batch order."""
 
-    key: tuple[tuple[str, ...], int]  # the request ids and base rows it was taken for
-    caps: list[int]
-    lengths: list[int]
+    key: tuple[tuple[str, ...], int]  # the ids of the requests that may draft, and the base rows
+    caps: list[int]  # theirs
+    lengths: list[int]  # theirs
     at: int  # the decision count it was taken at
+    grid: int  # the step-cost fit's grid point of the base rows (`StepCostModel.grid_point`)
 
 
 class AdaptiveDrafting:
@@ -830,14 +887,23 @@ class AdaptiveDrafting:
     so the deepest request's length costs passes; n-gram lookup does not."""
 
     def __init__(self, k: int, drafter_passes: bool, logit_share: float = 0.0,
-                 min_drafting_steps: int = MIN_DRAFTING_STEPS) -> None:
+                 min_drafting_steps: int = MIN_DRAFTING_STEPS, may_park: bool | None = None) -> None:
         self.k = k
         self.min_drafting_steps = min_drafting_steps
         self.drafter_passes = drafter_passes
+        # Parking saves a drafter's prompt feeds and waits: a model drafter's, outside lockstep
+        # (where every request feeds the drafter every step, as the vote sized its passes).
+        self.may_park = drafter_passes if may_park is None else may_park
         self.acceptance = AcceptanceStats(k)
         self.costs = StepCostModel(logit_share=logit_share)
         self._decisions = 0
         self._last: Decision | None = None  # the last fresh decision
+        self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing
+
+    def parks(self) -> bool:
+        """Whether a request that may draft and arrives now is parked (`PARK_AFTER`; the scheduler
+        keeps `SCOUTS` unparked)."""
+        return self.may_park and self._quiet_from is not None and self._decisions - self._quiet_from + 1 >= PARK_AFTER
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
                ) -> list[int]:
@@ -854,34 +920,48 @@ class AdaptiveDrafting:
         decision, with caps no higher than it had and still holding its lengths, keep it for up
         to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing
         (`REUSE_DECISIONS`)."""
-        if (not req_ids or max(caps, default=0) == 0 or self.costs.drafting_steps < self.min_drafting_steps
-                or not self.costs.measured_near(base_rows)):
+        if not req_ids or max(caps, default=0) == 0:
+            return list(caps)
+        if self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows):
+            self._quiet_from = None  # drafting every cap
             return list(caps)
         if max(caps) > self.k:
             caps = [min(c, self.k) for c in caps]
-        key = (tuple(req_ids), base_rows)
+        key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
+        grid = self.costs.grid_point(base_rows)
         self._decisions += 1
         last = self._last
         if (last is not None and self._decisions % EXPLORE_EVERY  # an exploration due decides afresh
-                and self._decisions - last.at < (REUSE_DECISIONS if any(last.lengths) else EXPLORE_EVERY)
-                and last.key == key and all(n <= c <= was for n, c, was in zip(last.lengths, caps, last.caps))):
-            return list(last.lengths)
+                and last.key[0] == key[0]
+                and (self._decisions - last.at < REUSE_DECISIONS and last.key[1] == base_rows if any(last.lengths)
+                     else self._decisions - last.at < EXPLORE_EVERY and last.grid == grid)
+                and all(n <= c <= was for n, c, was in zip(last.lengths, (c for c in caps if c), last.caps))):
+            it = iter(last.lengths)
+            return [next(it) if c else 0 for c in caps]
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
+        request_cost = self.costs.request_cost(base_rows)
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0
         if len(req_ids) * self.k <= SMALL_PROBLEM:  # plain Python: cheaper between forward passes
-            rates = self.acceptance.rate_rows(req_ids)
-            lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost, DRAFT_MIN_GAIN)
+            rates = self.acceptance.rate_rows(req_ids, caps)
+            lengths = choose_draft_lengths_small(rates, caps, step_cost, pass_cost, first_cost, DRAFT_MIN_GAIN,
+                                                 request_cost)
         else:
-            rates = self.acceptance.rates(req_ids)
+            rates = self.acceptance.rates(req_ids, caps)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
-                                           pass_cost, first_cost, DRAFT_MIN_GAIN).tolist()
-        self._last = Decision(key, caps, list(lengths), self._decisions)
+                                           pass_cost, first_cost, DRAFT_MIN_GAIN, request_cost).tolist()
+        self._last = Decision(key, [c for c in caps if c], [n for n, c in zip(lengths, caps) if c], self._decisions,
+                              grid)
+        if any(lengths):
+            self._quiet_from = None
+        elif self._quiet_from is None:
+            self._quiet_from = self._decisions
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0
-            deep = step_rate(rates, caps, step_cost, pass_cost, first_cost, catch_up)
-            if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost):
+            deep = step_rate(rates, caps, step_cost, pass_cost, first_cost, catch_up, request_cost)
+            if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost,
+                                                       request_cost=request_cost):
                 return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
             explored = list(lengths)
@@ -892,8 +972,9 @@ class AdaptiveDrafting:
             lag = lags[i] if lags and lengths[i] == 0 else 0
             catch_up = self.costs.catch_up_cost(base_rows) * lag if lag else 0.0
             if (self._decisions % COSTLY_EXPLORE_EVERY == 0
-                    or step_rate(rates, explored, step_cost, pass_cost, first_cost, catch_up)
-                    >= EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost)):
+                    or step_rate(rates, explored, step_cost, pass_cost, first_cost, catch_up, request_cost)
+                    >= EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost,
+                                                  request_cost=request_cost)):
                 return explored
         return lengths
 
@@ -902,9 +983,10 @@ class AdaptiveDrafting:
 
     def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                      num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-                     forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
+                     forward_seconds: float | None = None, drafter_pass_rows: int = 0, drafting_reqs: int = 0
+                     ) -> None:
         self.costs.observe(num_rows, seconds, drafter_seconds, drafter_passes, num_logit_rows, num_draft_rows,
-                           drafter_rows, forward_seconds, drafter_pass_rows)
+                           drafter_rows, forward_seconds, drafter_pass_rows, drafting_reqs)
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)

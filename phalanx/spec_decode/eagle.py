@@ -42,11 +42,14 @@ from phalanx.spec_decode.proposer import (
     uniform_grid,
 )
 
+# Up to this many requests' waiting rows are copied slice by slice, more in one gather (`_wait`).
+SLICED_WAITS = 2
+
 
 class Chunk(NamedTuple):
     """One step's waiting positions of one request: rows [a, b) of `source`, the step's target
     features themselves (EAGLE-3: its three aux tensors) where the positions that wait make up at
-    least half of the step's rows, else a gather of just those rows (so a step's tensors stay alive
+    least half of the step's rows, else a copy of just its rows (so a step's tensors stay alive
     for a wait only where the wait holds most of them)."""
 
     source: tuple[torch.Tensor, ...]
@@ -135,7 +138,7 @@ class EagleProposer:
         feeds: list[Feed] = []
         fed_rows: list[int] = []  # target rows of this step's positions fed now, in feed order
         kept: list[Waiting | None] = []  # per feed: the positions it waited with (fed first)
-        wait_rows: list[int] = []  # target rows of positions that wait
+        num_waiting = 0  # positions that wait
         wait_spans: list[tuple[str, int, int, int]] = []  # (request, first waiting position, first row, rows)
         drafting: list[int] = []  # indices into feeds of requests that get drafts
         room, lag = self.room - k, self.max_lag
@@ -156,10 +159,10 @@ class EagleProposer:
                 if wanted > 0:
                     drafting.append(len(feeds) - 1)
             if upto < end:
-                wait_rows.extend(range(off + max(upto, nc), off + end))
+                num_waiting += end - max(upto, nc)
                 wait_spans.append((req_id, upto, off + max(upto, nc), end - max(upto, nc)))
-        if wait_rows:
-            self._wait(batch, wait_rows, wait_spans)
+        if wait_spans:
+            self._wait(batch, num_waiting, wait_spans)
         plan = plan_passes(batch, feeds, drafting, self._chains)
         self.passes_run, self.rows_fed, self.pass_rows = plan.passes, plan.rows_fed, plan.pass_rows
         if plan.passes == 0:
@@ -218,24 +221,28 @@ class EagleProposer:
     def _fuse(self, raw: torch.Tensor) -> torch.Tensor:  # [n, F] -> [n, H] the head's input features
         return self.head.fc(raw) if self.is_eagle3 else raw
 
-    def _wait(self, batch: ProposeBatch, rows: list[int], spans: list[tuple[str, int, int, int]]) -> None:
+    def _wait(self, batch: ProposeBatch, num_rows: int, spans: list[tuple[str, int, int, int]]) -> None:
         """Keep the raw features of the positions that wait, per request (`spans`: request, its first
-        waiting position, its first row in the step's features, rows). Where they are at least half
-        of the step's rows the chunks are views of the step's own tensors (no copy: at low load, where
-        most requests wait, that gather cost more than the rest of the proposer's step); else one
-        gather of just those rows."""
+        waiting position, its first row in the step's features, rows; `num_rows` in all). Where they
+        are at least half of the step's rows the chunks are views of the step's own tensors (no
+        copy: at low load, where most requests wait, copying cost more than the rest of the
+        proposer's step); else copies of just those rows: for one or two requests a copy of each
+        one's slice (~3 us a request on the demo's head, ~7 on SmolLM2's EAGLE-3), for more one
+        gather of them all (~6-13 us, and ~2 us a request more)."""
         assert batch.target_hidden is not None
         step = tuple(batch.target_aux) if self.is_eagle3 else (batch.target_hidden,)
-        if 2 * len(rows) >= step[0].shape[0]:
-            source, at = step, None
-        else:
-            source, at = (self._raw(batch, rows),), 0
+        gathered: torch.Tensor | None = None
+        if 2 * num_rows < step[0].shape[0] and len(spans) > SLICED_WAITS:
+            gathered = self._raw(batch, [r for _, _, row, n in spans for r in range(row, row + n)])
+        at = 0
         for req_id, first, row, n in spans:
             waiting = self._waiting.get(req_id)
             if waiting is None:
                 waiting = self._waiting[req_id] = Waiting(first, [])
-            if at is None:
-                waiting.chunks.append(Chunk(source, row, row + n))
-            else:
-                waiting.chunks.append(Chunk(source, at, at + n))
+            if gathered is not None:
+                waiting.chunks.append(Chunk((gathered,), at, at + n))
                 at += n
+            elif 2 * num_rows >= step[0].shape[0]:
+                waiting.chunks.append(Chunk(step, row, row + n))
+            else:
+                waiting.chunks.append(Chunk(tuple(t[row : row + n].clone() for t in step), 0, n))

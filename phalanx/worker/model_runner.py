@@ -164,7 +164,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
-                opted_out=self.proposer is not None and params.draft_cap(self.proposer.num_speculative_tokens) == 0,
+                opted_out=self.proposer is not None and (
+                    new.parked or params.draft_cap(self.proposer.num_speculative_tokens) == 0),
             )
             if self.proposer is not None:
                 self.proposer.start_request(new.req_id, new.num_computed_tokens)
@@ -408,6 +409,7 @@ class ModelRunner:
             out.num_drafter_passes = self.proposer.passes_run  # for the step-cost model
             out.drafter_rows_fed = self.proposer.rows_fed
             out.drafter_pass_rows = self.proposer.pass_rows
+            out.drafting_reqs = sum(1 for n in num_drafts if n > 0)
         # requests whose drafter catch-up waits: their blocks are published to the prefix cache only
         # up to where the drafter's KV is complete; those left out have none (a model drafter's)
         out.drafter_kv_end = self.proposer.drafter_kv_ends()

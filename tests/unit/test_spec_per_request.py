@@ -149,6 +149,46 @@ def test_opt_outs_and_caps_are_lossless_and_honoured(method: str, dtype: str, ad
     assert 0 < counts[0] <= wanted.count(0) + opted_out_steps
 
 
+@pytest.mark.parametrize("method", ["eagle", "draft"])
+def test_parked_requests_run_as_opted_out_and_one_scout_stays(method: str, models: dict[str, Path]) -> None:
+    """While the policy parks (forced here), a request that may draft and arrives while another
+    that may draft runs unparked is parked: it never reaches the drafter, not even its prompt, and
+    gets no drafts; the first such request, and the next after it finished, stays unparked (the
+    scout) and is drafted for as the policy chooses. Outputs are those of plain decoding."""
+    prompts = _prompts(10, seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 2 * i, ignore_eos=True,
+                             **({"speculative": False} if i % 3 == 2 else {})) for i in range(10)]
+    ref = LLM(str(models["target"]), dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(models["target"]), dtype="float32", max_num_seqs=4,
+              speculative_config=_spec(method, models, adaptive=True))
+    adaptive = llm.engine.adaptive
+    assert adaptive is not None and adaptive.may_park
+    adaptive.parks = lambda: True  # type: ignore[method-assign]
+    calls = _spy_drafts(llm)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    parked: dict[str, bool] = {}
+
+    def spy_schedule():  # noqa: ANN202
+        out = schedule()
+        parked.update((new.req_id, new.parked) for new in out.new_reqs)
+        return out
+
+    scheduler.schedule = spy_schedule  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    may_draft = {str(i) for i, p in enumerate(params) if p.draft_cap(K) > 0}
+    parked_ids = {r for r, was in parked.items() if was}
+    assert parked_ids and parked_ids < may_draft  # some parked, never an opted-out one, and a scout
+    assert "0" not in parked_ids  # the first request that may draft is the scout
+    assert llm.get_metrics()["spec_num_parked"] == len(parked_ids)
+    fed = {rid for ids, _, _ in calls for rid in ids}
+    assert not fed & parked_ids  # neither drafted for nor fed
+    for o in outs:
+        if o.request_id in parked_ids:
+            assert o.outputs[0].num_draft_tokens == 0
+
+
 def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
     """Replace the engine's step timing by a fixed cost model: 1 s + `row_seconds` per row, and
     `pass_seconds` per drafter pass, so that the adaptive choices are deterministic. The profile
@@ -162,10 +202,10 @@ def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
 
     def fixed(num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
               num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,
-              forward_seconds: float | None = None, drafter_pass_rows: int = 0) -> None:
+              forward_seconds: float | None = None, drafter_pass_rows: int = 0, drafting_reqs: int = 0) -> None:
         observe(num_rows, 1.0 + row_seconds * num_rows + pass_seconds * drafter_passes, pass_seconds * drafter_passes,
                 drafter_passes, num_logit_rows, num_draft_rows, drafter_rows, 1.0 + row_seconds * num_rows,
-                drafter_pass_rows)
+                drafter_pass_rows, drafting_reqs)
 
     adaptive.observe_step = fixed  # type: ignore[method-assign]
 
@@ -418,8 +458,9 @@ def test_draft_length_counts_in_metrics() -> None:
     metrics = ServingMetrics("m")
     metrics.on_stats(0, SchedulerStats(spec_draft_lengths=[5, 0, 2, 7]))
     metrics.on_stats(0, SchedulerStats(spec_draft_lengths=[6, 1, 2, 9]))
-    metrics.on_stats(1, SchedulerStats(spec_draft_lengths=[1, 0, 0, 3]))
+    metrics.on_stats(1, SchedulerStats(spec_draft_lengths=[1, 0, 0, 3], spec_num_parked=4))
     text = metrics.render().decode()
+    assert 'phalanx:spec_decode_num_parked_requests_total{engine="1",model_name="m"} 4.0' in text
     for engine, length, value in [("0", "0", 6), ("0", "1", 1), ("0", "3", 9), ("1", "3", 3), ("1", "0", 1)]:
         line = f'phalanx:spec_decode_draft_length_total{{engine="{engine}",length="{length}",model_name="m"}} {value}.0'
         assert line in text, (line, [t for t in text.splitlines() if "draft_length" in t])

@@ -25,6 +25,7 @@ from phalanx.spec_decode.adaptive import (
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
     MIN_DRAFTING_STEPS,
+    PARK_AFTER,
     PRIOR_FIXED_ROWS,
     PROFILE_ROWS,
     REUSE_DECISIONS,
@@ -34,7 +35,12 @@ from phalanx.spec_decode.adaptive import (
     StepCostModel,
     explore,
 )
-from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, expected_tokens
+from phalanx.spec_decode.policy import (
+    choose_draft_lengths,
+    choose_draft_lengths_small,
+    expected_tokens,
+    step_rate,
+)
 
 
 def _ratio(accept: np.ndarray, lengths: np.ndarray, step_cost: np.ndarray, pass_cost: float,
@@ -100,6 +106,41 @@ def test_drafting_must_beat_drafting_nothing_by_the_minimum_gain(problem, min_ga
         assert lengths.tolist() == best.tolist()
     elif gain <= min_gain * (1 - 1e-6):
         assert (lengths == 0).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_problems(), st.floats(0.0, 3.0))
+def test_a_cost_per_drafting_request_is_priced_exactly_where_the_search_is_exact(problem, request_cost) -> None:  # noqa: ANN001
+    """With a cost per request that drafts at all both paths choose alike, and the choice is the
+    brute-force optimum where every candidate drafts one deep or there is one request (the module
+    docstring: elsewhere the same candidates, each priced exactly)."""
+    accept, caps, step_cost, pass_cost, first_cost = problem
+    lengths = choose_draft_lengths(accept, caps, step_cost, pass_cost, first_cost, request_cost=request_cost)
+    small = choose_draft_lengths_small(accept.tolist(), caps.tolist(), step_cost.tolist(), pass_cost, first_cost,
+                                       request_cost=request_cost)
+    assert small == lengths.tolist()
+    assert ((lengths >= 0) & (lengths <= caps)).all()
+
+    def rate(d: list[int]) -> float:
+        return step_rate(accept, d, step_cost.tolist(), pass_cost, first_cost, request_cost=request_cost)
+
+    best = max(rate(list(d)) for d in itertools.product(*(range(c + 1) for c in caps)))
+    got = rate(lengths.tolist())
+    assert got <= best * (1 + 1e-9)
+    if accept.shape[0] == 1 or int(caps.max(initial=0)) <= 1:
+        assert got >= best * (1 - 1e-9)
+
+
+def test_a_costly_request_drafts_for_fewer_requests() -> None:
+    """Four requests accepting 90 / 80 / 40 / 35 % of one draft, a row 0.05 of a step: all four
+    draft while a drafting request costs nothing more, the two best where each costs 0.1 of a step,
+    none at 0.3 (the best one's draft then loses: 1.9 tokens in 1.35 steps)."""
+    accept = np.array([[0.9], [0.8], [0.4], [0.35]])
+    step_cost = 1.0 + 0.05 * np.arange(5)
+    caps = np.ones(4, dtype=np.int64)
+    assert choose_draft_lengths(accept, caps, step_cost, 0.0).tolist() == [1, 1, 1, 1]
+    assert choose_draft_lengths(accept, caps, step_cost, 0.0, request_cost=0.1).tolist() == [1, 1, 0, 0]
+    assert choose_draft_lengths(accept, caps, step_cost, 0.0, request_cost=0.3).tolist() == [0, 0, 0, 0]
 
 
 def test_a_small_predicted_gain_is_not_drafted_for() -> None:
@@ -261,7 +302,7 @@ def test_one_measured_step_gives_the_prior_shape() -> None:
     drafter_row = 0.3 / (4 + PRIOR_FIXED_ROWS)
     assert pass_cost == pytest.approx(drafter_row * PRIOR_FIXED_ROWS / 3) and first_cost == pytest.approx(pass_cost)
     slope = 2.0 / (4 + PRIOR_FIXED_ROWS)
-    at_base = 2.0 - first_cost - 2 * pass_cost  # the same step without the drafter
+    at_base = 2.0 - 0.3  # the same step without the drafter (it feeds nothing where nothing drafts)
     assert step_cost == pytest.approx([at_base, at_base + slope, at_base + 2 * slope])
 
 
@@ -296,6 +337,34 @@ def test_the_first_pass_is_priced_apart_when_it_is_skipped() -> None:
     assert fit.first_cost == pytest.approx(0.0015, rel=0.1)
     assert fit.per_logit_row == pytest.approx(0.0008, rel=0.1)
     assert fit.fixed == pytest.approx(0.010, rel=0.1)
+
+
+def test_a_drafting_request_is_priced_at_what_the_drafter_spends_on_it() -> None:
+    """16 requests decode; each step 0-8 of them draft one token. The drafter takes 0.2 ms when it
+    runs, 50 us a request it drafts for and 6 us a position it feeds (a drafting request's draft
+    position and, half the time, the one its last step accepted). The fit prices a drafting
+    request with its draft row at those 59 us, and a step without drafts at the target's time
+    alone: the decode rows of requests that do not draft feed the drafter nothing."""
+    rng = np.random.default_rng(6)
+    costs = StepCostModel()
+    drafted = 0
+    for _ in range(512):
+        drafting = int(rng.integers(0, 9))
+        fed = drafting + int(rng.binomial(drafting, 0.5))
+        drafter = (0.0002 + 0.00005 * drafting + 0.000006 * fed) if drafting else 0.0
+        rows = 16 + drafted  # this step verifies the last step's drafts
+        target = 0.0015 + 0.00006 * rows + rng.normal(0, 0.00002)
+        costs.observe(rows, target + drafter, drafter, int(drafting > 0), num_draft_rows=drafted,
+                      drafter_rows=fed, drafting_reqs=drafting)
+        drafted = drafting
+    fit = costs.fit(16)
+    # (a drafting request's positions and the request itself move together: the sum is what is told)
+    assert fit.request_cost + fit.draft_row == pytest.approx(0.00005 + 0.000006 * 1.5, rel=0.1)
+    assert fit.draft_row < 0.00002
+    assert fit.first_cost == pytest.approx(0.0002, rel=0.15)
+    step_cost, _, _ = costs.step_cost(16, 8)
+    assert step_cost[0] == pytest.approx(0.0015 + 0.00006 * 16, rel=0.03)
+    assert costs.request_cost(16) == fit.request_cost
 
 
 def test_a_draft_row_is_priced_as_a_row_that_computes_logits() -> None:
@@ -729,6 +798,29 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
     assert all(c == [1] for c in chosen if c != [0])
 
 
+def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
+    """Rows as dear as the step and nothing ever accepted: every fresh decision drafts nothing, and
+    after PARK_AFTER decisions the policy parks; the first fresh decision that drafts (free rows,
+    everything accepted) ends it. A policy that may not park (n-gram, lockstep) never does."""
+    for may_park in (True, False):
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0, may_park=may_park)
+        policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
+        policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+            [1.0 + m for m in range(extra + 1)], 0.0, 0.1)
+        for _ in range(30):
+            policy.observe_verification("a", 3, 0)
+            policy.observe_verification("b", 3, 3)
+        for _ in range(PARK_AFTER):
+            assert not policy.parks()
+            policy.choose(["a"], [3], base_rows=1)
+        assert policy.parks() is may_park
+        policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+            [1.0] * (extra + 1), 0.0, 0.0)
+        assert policy.choose(["b"], [3], base_rows=1) == [3]
+        assert not policy.parks()
+
+
 def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
     """Acceptance 0.6 a position (the prior), a row 0.2 of a 1 s step, a pass 0.1: one draft is best
     (1.33 tokens/s), two come within EXPLORE_MARGIN of it (1.31): every EXPLORE_EVERY-th decision
@@ -737,6 +829,7 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
     for row, every in ((0.2, EXPLORE_EVERY), (0.3, COSTLY_EXPLORE_EVERY)):
         policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(WIDE_EXPLORE_EVERY - 1)]
@@ -755,6 +848,7 @@ def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None
             policy.observe_verification("a", 3, 3)
             policy.observe_verification("b", 3, 0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
             [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
         policy.costs.catch_up_cost = lambda rows: 0.005  # type: ignore[method-assign]
@@ -772,6 +866,7 @@ def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
     for row, usual, wide in ((0.3, [1], [3]), (1.0, [0], [1])):
         policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
             [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(2 * WIDE_EXPLORE_EVERY)]
@@ -791,6 +886,7 @@ def test_the_whole_batch_is_not_tried_where_its_catch_ups_make_it_too_dear() -> 
             policy.observe_verification("a", 3, 3)
             policy.observe_verification("b", 3, 0)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
             [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
         policy.costs.catch_up_cost = lambda rows: 0.005  # type: ignore[method-assign]

@@ -100,7 +100,7 @@ def chat_body(model: str, prompt: str, speculative: bool, max_tokens: int,
 async def run_level(base: str, model: str, items: list[tuple[str, bool]], concurrency: int, max_tokens: int,
                     timeout_s: float, fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """All `items` with `concurrency` requests in flight: the summary, the acceptance and the draft
-    lengths given (from /metrics read before and after). `fields`: extension fields every request
+    lengths given and the requests parked (from /metrics read before and after). `fields`: extension fields every request
     carries (a mode on a shared server: `speculative`, `num_speculative_tokens`); an item's own
     opt-out comes first."""
     url = f"{base}/v1/chat/completions"
@@ -120,10 +120,13 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
         duration = time.perf_counter() - start
         after = (await client.get(f"{base}/metrics")).text
     summary = summarize(results, duration)
-    counters = spec_counters(parse_prometheus(before)), spec_counters(parse_prometheus(after))
+    parsed = parse_prometheus(before), parse_prometheus(after)
+    counters = spec_counters(parsed[0]), spec_counters(parsed[1])
     summary["spec_decode"] = spec_acceptance(*counters) if counters[1] else None
     lengths_before, lengths_after = draft_length_counts(before), draft_length_counts(after)
     summary["draft_lengths"] = {k: v - lengths_before.get(k, 0.0) for k, v in sorted(lengths_after.items())}
+    parked = "phalanx:spec_decode_num_parked_requests_total"
+    summary["parked"] = parsed[1].get(parked, 0.0) - parsed[0].get(parked, 0.0)
     return summary
 
 
@@ -235,7 +238,8 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
                     acc = (res["spec_decode"] or {}).get("mean_acceptance_length", float("nan"))
                     print(f"{mode:>9} {name:>6} c={c:<3} {res['output_throughput']:8.1f} tok/s  "
                           f"TPOT {res['tpot_ms'].get('mean', float('nan')):7.2f} ms  acc len {acc:.2f}  "
-                          f"failed {res['failed']}  lengths {res['draft_lengths']}", flush=True)
+                          f"failed {res['failed']}  lengths {res['draft_lengths']}  parked {res['parked']:.0f}",
+                          flush=True)
             for mode in modes:
                 ordered = sorted(rounds[mode], key=lambda r: r["output_throughput"])
                 median = ordered[len(ordered) // 2]
@@ -367,7 +371,8 @@ def main() -> int:
         print("\nadaptive draft lengths chosen (counts per length):")
         for name in work:
             for c in args.concurrency:
-                print(f"  {name} c={c}: {results['adaptive'][f'{name}/c{c}']['draft_lengths']}")
+                res = results['adaptive'][f'{name}/c{c}']
+                print(f"  {name} c={c}: {res['draft_lengths']}, requests parked {res.get('parked', 0):.0f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": args.model, "spec": spec, "ks": ks, "max_tokens": args.max_tokens,

@@ -29,7 +29,7 @@ from phalanx.core.outputs import (
     SchedulerStats,
 )
 from phalanx.request import FinishReason, Request, RequestStatus
-from phalanx.spec_decode.adaptive import SCOUTS, AdaptiveDrafting
+from phalanx.spec_decode.adaptive import PROBE_EVERY, AdaptiveDrafting
 
 
 class Scheduler:
@@ -62,6 +62,7 @@ class Scheduler:
         self.spec_accepted_per_pos = [0] * max(num_spec_tokens, 0)
         self.spec_draft_lengths = [0] * (num_spec_tokens + 1) if num_spec_tokens > 0 else []
         self.spec_num_parked = 0
+        self._since_probe = 0  # requests parked since the policy's last probe (`_parks`)
         # Requests whose drafter catch-up waits after the last step: the first position it lacks
         # (`ModelRunnerOutput.drafter_kv_end`); the adaptive policy's explorations read the waits.
         self._drafter_waiting: dict[str, int] = {}
@@ -77,6 +78,9 @@ class Scheduler:
             )
         req.status = RequestStatus.WAITING
         req.own_draft_cap = req.sampling_params.draft_cap(self.num_spec_tokens) if self.num_spec_tokens else 0
+        if req.own_draft_cap > 0 and self._parks():
+            req.own_draft_cap, req.parked = 0, True
+            self.spec_num_parked += 1
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -173,9 +177,6 @@ class Scheduler:
             if self._sibling_prefilling(req):
                 held_back.append(self.waiting.popleft())
                 continue
-            if req.own_draft_cap > 0 and req.req_id not in self._runner_knows and self._parks():
-                req.own_draft_cap, req.parked = 0, True
-                self.spec_num_parked += 1
             # a request that drafts needs its prefix's drafter KV too (one that never drafts does not)
             drafts = req.own_draft_cap > 0
             hit_blocks, num_hit = self.kv.get_computed_blocks(req, need_drafter_kv=drafts)
@@ -267,12 +268,13 @@ class Scheduler:
         return max(min(req.own_draft_cap, room), 0)
 
     def _parks(self) -> bool:
-        """Whether a request that may draft, arriving now, is parked: the adaptive policy has drafted
-        nothing for a while (`AdaptiveDrafting.parks`) and `SCOUTS` requests that may draft run
-        unparked besides."""
+        """Whether a request that may draft, arriving now, is parked (it runs as opted out for good):
+        the adaptive policy has drafted nothing for a while (`AdaptiveDrafting.parks`), and it is
+        not the `PROBE_EVERY`-th such arrival since the last probe."""
         if self.adaptive is None or not self.adaptive.parks():
             return False
-        return sum(1 for r in self.running if r.own_draft_cap > 0) >= SCOUTS
+        self._since_probe = (self._since_probe + 1) % PROBE_EVERY
+        return self._since_probe != 0
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""

@@ -55,11 +55,14 @@ WIDE_EXPLORE_MARGIN = 0.8
 # it reads move by a verification's weight a step. Caps that fell since (requests nearing
 # max_tokens lower theirs, at 16 requests on a third of the steps) keep it too while they still
 # hold its lengths: the best choice among more candidates is the best among fewer that include
-# it. A decision that drafts nothing stands until the next exploration, for base rows anywhere
-# near the same grid point of the step-cost fits (`StepCostModel.grid_point`): with no drafts no
-# verification moves the acceptance it read, only the step-time fit drifts, and a request more or
-# less in the batch moves it little (the demo's mixed workload at 16 requests: ~120 us a fresh
-# decision on ~1.6 ms steps, and the batch changed every few steps).
+# it. The two corners stand for a changed batch too, near the same grid point of the step-cost
+# fits (`StepCostModel.grid_point`): a request more or less moves the costs little, and a new
+# request is priced at the rates the others' drafts measured. A decision that drafts nothing
+# stands until the next exploration (with no drafts no verification moves the acceptance it read;
+# the demo's mixed workload at 16 requests: ~120 us a fresh decision on ~1.6 ms steps, its batch
+# changing every few steps); one that drafts every cap, for this many decisions, new requests at
+# their caps (the demo's chat at 32 requests: a fresh decision on 9 steps of 10, ~0.15 ms each on
+# ~4 ms steps, where every one drafted k).
 REUSE_DECISIONS = 4
 # Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
@@ -183,7 +186,10 @@ class AcceptanceStats:
         the policy drafts one or two) keeps what its last tests said instead of fading to the prior
         with every verification of the first, which would keep the policy from ever drafting there."""
         tested_upto = min(num_accepted + 1, num_drafts)
-        tested, accepted = self._counts.setdefault(req_id, ([0.0] * self.k, [0.0] * self.k))
+        counts = self._counts.get(req_id)
+        if counts is None:
+            counts = self._counts[req_id] = ([0.0] * self.k, [0.0] * self.k)
+        tested, accepted = counts
         d, e = self.request_decay, self.engine_decay
         et, ea = self.engine_tested, self.engine_accepted
         for j in range(tested_upto):
@@ -932,14 +938,9 @@ class AdaptiveDrafting:
         key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
         grid = self.costs.grid_point(base_rows)
         self._decisions += 1
-        last = self._last
-        if (last is not None and self._decisions % EXPLORE_EVERY  # an exploration due decides afresh
-                and last.key[0] == key[0]
-                and (self._decisions - last.at < REUSE_DECISIONS and last.key[1] == base_rows if any(last.lengths)
-                     else self._decisions - last.at < EXPLORE_EVERY and last.grid == grid)
-                and all(n <= c <= was for n, c, was in zip(last.lengths, (c for c in caps if c), last.caps))):
-            it = iter(last.lengths)
-            return [next(it) if c else 0 for c in caps]
+        reused = self._reuse(key, caps, grid)
+        if reused is not None:
+            return reused
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         request_cost = self.costs.request_cost(base_rows)
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
@@ -979,6 +980,33 @@ class AdaptiveDrafting:
                                                   request_cost=request_cost)):
                 return explored
         return lengths
+
+    def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], grid: int) -> list[int] | None:
+        """The last fresh decision's lengths for this batch where it still stands
+        (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
+        due). One that drafted nothing stands for any batch near its grid point until the next
+        exploration; one that gave every request its cap, for REUSE_DECISIONS decisions, for any
+        batch near its grid point whose requests it knew have no higher caps and none deeper than
+        its deepest (a new request gets its cap); any other, for the same requests and base rows
+        while the caps that fell still hold its lengths."""
+        last = self._last
+        if last is None or self._decisions % EXPLORE_EVERY == 0:
+            return None
+        age = self._decisions - last.at
+        if not any(last.lengths):
+            return [0] * len(caps) if age < EXPLORE_EVERY and last.grid == grid else None
+        if age >= REUSE_DECISIONS:
+            return None
+        if last.lengths == last.caps:
+            if last.grid != grid or max(caps) > max(last.caps):
+                return None
+            known = dict(zip(last.key[0], last.caps))
+            return list(caps) if all(c <= known.get(r, c) for r, c in zip(key[0], (c for c in caps if c))) else None
+        if last.key != key or not all(n <= c <= was for n, c, was in zip(last.lengths, (c for c in caps if c),
+                                                                           last.caps)):
+            return None
+        it = iter(last.lengths)
+        return [next(it) if c else 0 for c in caps]
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)

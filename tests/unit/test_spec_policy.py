@@ -737,6 +737,26 @@ def test_a_decision_stands_while_the_caps_fall_and_still_hold_it() -> None:
     assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 3]  # "b"'s cap rose: afresh
 
 
+def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size() -> None:
+    """Every request at its cap: for REUSE_DECISIONS decisions a batch near the same size keeps it,
+    a new request at its cap, unless a request it knew has a higher cap or some cap goes deeper
+    than its deepest; a batch of another size is decided afresh."""
+    policy = _policy_with_costs()
+    for r in "abcd":
+        for _ in range(30):
+            policy.observe_verification(r, 3, 3 if r != "d" else 0)  # "d" never accepts
+    assert policy.choose(["a", "b"], [3, 2], base_rows=2) == [3, 2]  # fresh: every cap
+    assert policy.choose(["a", "c"], [3, 2], base_rows=2) == [3, 2]  # "c" new: at its cap
+    assert policy.choose(["a", "d"], [2, 1], base_rows=2) == [2, 1]  # reused, though "d" would not draft
+    assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 3]  # "b"'s cap rose: afresh
+    assert policy.choose(["a", "d"], [3, 3], base_rows=2) == [3, 3]  # reused ...
+    policy.choose(["a"], [3], base_rows=2)
+    policy.choose(["a"], [3], base_rows=2)
+    assert policy.choose(["a", "d"], [3, 3], base_rows=2) == [3, 0]  # ... up to REUSE_DECISIONS
+    assert policy.choose(["a", "b"], [3, 3], base_rows=8)  # another size: afresh
+    assert policy._last is not None and policy._last.key[1] == 8
+
+
 def test_a_decision_to_draft_nothing_stands_until_the_next_exploration() -> None:
     """With no drafts no verification moves the acceptance the decision read: it stands past
     REUSE_DECISIONS, until an exploration is due (which decides afresh)."""
@@ -801,7 +821,8 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
 def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
     """Rows as dear as the step and nothing ever accepted: every fresh decision drafts nothing, and
     after PARK_AFTER decisions the policy parks; the first fresh decision that drafts (free rows,
-    everything accepted) ends it. A policy that may not park (n-gram, lockstep) never does."""
+    everything accepted; at the next exploration, till which drafting nothing stands) ends it. A
+    policy that may not park (n-gram, lockstep) never does."""
     for may_park in (True, False):
         policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0, may_park=may_park)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
@@ -817,6 +838,8 @@ def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
         assert policy.parks() is may_park
         policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
             [1.0] * (extra + 1), 0.0, 0.0)
+        while (policy._decisions + 1) % EXPLORE_EVERY:  # the decision to draft nothing stands till then
+            assert policy.choose(["b"], [3], base_rows=1) == [0]
         assert policy.choose(["b"], [3], base_rows=1) == [3]
         assert not policy.parks()
 

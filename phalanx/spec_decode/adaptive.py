@@ -185,24 +185,28 @@ class AcceptanceStats:
         """Counts decay per test of their own position: a position tested rarely (a third draft, while
         the policy drafts one or two) keeps what its last tests said instead of fading to the prior
         with every verification of the first, which would keep the policy from ever drafting there."""
-        tested_upto = min(num_accepted + 1, num_drafts)
+        a = num_accepted
+        tested_upto = a + 1 if a < num_drafts else num_drafts
         counts = self._counts.get(req_id)
         if counts is None:
             counts = self._counts[req_id] = ([0.0] * self.k, [0.0] * self.k)
         tested, accepted = counts
         d, e = self.request_decay, self.engine_decay
         et, ea = self.engine_tested, self.engine_accepted
-        for j in range(tested_upto):
-            a_j = float(j < num_accepted)
+        for j in range(tested_upto):  # (plain float updates: this runs per request per step)
             tested[j] = tested[j] * d + 1.0
-            accepted[j] = accepted[j] * d + a_j
             et[j] = et[j] * e + 1.0
-            ea[j] = ea[j] * e + a_j
+            if j < a:
+                accepted[j] = accepted[j] * d + 1.0
+                ea[j] = ea[j] * e + 1.0
+            else:
+                accepted[j] *= d
+                ea[j] *= e
         # position j - 1 where position j was drafted (and j - 1 tested: 1..j-2 accepted)
         pt, pa = self.engine_prev_tested, self.engine_prev_accepted
         for j in range(1, min(num_drafts, self.k, tested_upto + 1)):
             pt[j] = pt[j] * e + 1.0
-            pa[j] = pa[j] * e + float(j - 1 < num_accepted)
+            pa[j] = pa[j] * e + 1.0 if j - 1 < a else pa[j] * e
 
     def forget(self, req_id: str) -> None:
         self._counts.pop(req_id, None)

@@ -153,7 +153,8 @@ def choose_draft_lengths_small(
     lengths = [0] * num_reqs
     if not gains:
         return lengths
-    order = sorted(range(len(gains)), key=lambda t: (-gains[t], pos[t]))  # stable, like np.lexsort
+    keys = list(zip([-g for g in gains], pos))
+    order = sorted(range(len(gains)), key=keys.__getitem__)  # stable, like np.lexsort
     best_ratio, best = -1.0, (0, -1)
     for depth in range(1, max(pos) + 1):
         rows, total, firsts = 0, 0.0, 0

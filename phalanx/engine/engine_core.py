@@ -51,7 +51,7 @@ class EngineCore:
         self.adaptive = (
             AdaptiveDrafting(spec.num_speculative_tokens, drafter_passes=self.runner.num_lookahead_slots > 0,
                              logit_share=logit_share(cfg.model),
-                             may_park=self.runner.num_lookahead_slots > 0 and not self.lockstep)
+                             lockstep=self.lockstep)
             if spec is not None and spec.adaptive
             else None
         )

@@ -350,8 +350,9 @@ class StepCostModel:
     over its passes.
     No cost is ever negative, so predicted time never falls as drafts are added. `StepFit` prices the
     drafter's positions where it feeds them: a prompt row (always fed) and a draft row, not the
-    decode row of a request that does not draft (it waits); a drafting request's other positions
-    (what its last step accepted) go with its `request_cost`.
+    decode row of a request that does not draft (it waits; in lockstep, `feeds_every_row`, it does
+    not); a drafting request's other positions (what its last step accepted) go with its
+    `request_cost`.
 
     Why not a curve of per-bucket averages: at low load the marginal row costs ~2 % of a step while
     step times jitter by 10-15 % (here: a shared machine), so differences of neighbouring buckets
@@ -362,8 +363,14 @@ class StepCostModel:
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
                  row_ridge: float = 16.0, pass_ridge: float = 1.0, verify_ridge: float = 1.0,
                  drafter_row_ridge: float = PRIOR_FIXED_ROWS ** 2,
-                 refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.1) -> None:
+                 refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.1,
+                 feeds_every_row: bool = False) -> None:
         self.window, self.bandwidth = window, bandwidth
+        # In lockstep every request feeds the drafter every step (the vote sized its first pass for
+        # every position), drafting or not: a decode row costs the drafter its position, the first
+        # pass runs whatever is drafted, and a drafting request feeds nothing more than it would
+        # anyway. Alone, one that does not draft waits (``spec_decode.proposer``).
+        self.feeds_every_row = feeds_every_row
         # What a row that computes logits costs on top of one that does not, as a share of the
         # latter, where nothing measured says otherwise: the lm_head's weights against the rest
         # (ModelConfig: vocab x hidden against the other active parameters; ~0.26 on SmolLM2).
@@ -588,6 +595,8 @@ class StepCostModel:
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
         drafter_row, first_cost, pass_cost, drafter_fixed, catch_up_row, request_cost = self._fit_drafter(
             w, wd, recency)
+        if self.feeds_every_row:  # the first pass runs every step, drafts or none: part of every step
+            drafter_fixed, first_cost = drafter_fixed + first_cost, 0.0
         dv = v - np.roll(v, 1)
         if self._profile is not None:
             # The target's forward and lm_head: the profiled shape times one scale, the ratio of
@@ -609,7 +618,8 @@ class StepCostModel:
                 gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, (dz * wd) @ dr), 0.0).tolist()
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
-            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row),
+            fed_row = drafter_row if self.feeds_every_row else 0.0  # a decode row's position, fed or waiting
+            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row),
                            float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
                            catch_up_row, drafter_row, request_cost)
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
@@ -638,8 +648,9 @@ class StepCostModel:
             verify_cost = 0.0
         fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
         # The drafter feeds a prompt row (always) and a draft row (a drafting request's), not a decode
-        # row of a request that does not draft (it waits).
-        return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row), float(first_cost),
+        # row of a request that does not draft (it waits; in lockstep it does not).
+        fed_row = drafter_row if self.feeds_every_row else 0.0
+        return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
                        float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost)
 
     def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray
@@ -733,9 +744,11 @@ class StepCostModel:
                         / float(wb @ fed[bulk]) if wb.sum() > 0 else drafter_row)
         # A drafting request's first pass feeds the positions its last step accepted besides its
         # first draft's: the local mean of those, over the steps that fed no prompt rows (a prompt's
-        # positions are fed whether or not anything drafts, and priced as rows).
+        # positions are fed whether or not anything drafts, and priced as rows). In lockstep it
+        # feeds them drafting or not.
         decode = w * (r > 0) * (self._rows <= self._logit_rows)
-        accepted = (float(decode @ np.maximum(self._fed - r, 0.0)) / float(decode @ r)) if decode.sum() > 0 else 0.0
+        accepted = (float(decode @ np.maximum(self._fed - r, 0.0)) / float(decode @ r)
+                    if decode.sum() > 0 and not self.feeds_every_row else 0.0)
         return (float(drafter_row), float(first_cost), float(pass_cost), float(drafter_fixed), catch_up_row,
                 float(request + drafter_row * accepted))
 
@@ -899,15 +912,15 @@ class AdaptiveDrafting:
     so the deepest request's length costs passes; n-gram lookup does not."""
 
     def __init__(self, k: int, drafter_passes: bool, logit_share: float = 0.0,
-                 min_drafting_steps: int = MIN_DRAFTING_STEPS, may_park: bool | None = None) -> None:
+                 min_drafting_steps: int = MIN_DRAFTING_STEPS, lockstep: bool = False) -> None:
         self.k = k
         self.min_drafting_steps = min_drafting_steps
         self.drafter_passes = drafter_passes
         # Parking saves a drafter's prompt feeds and waits: a model drafter's, outside lockstep
         # (where every request feeds the drafter every step, as the vote sized its passes).
-        self.may_park = drafter_passes if may_park is None else may_park
+        self.may_park = drafter_passes and not lockstep
         self.acceptance = AcceptanceStats(k)
-        self.costs = StepCostModel(logit_share=logit_share)
+        self.costs = StepCostModel(logit_share=logit_share, feeds_every_row=lockstep and drafter_passes)
         self._decisions = 0
         self._last: Decision | None = None  # the last fresh decision
         self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing

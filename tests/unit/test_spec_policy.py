@@ -367,6 +367,32 @@ def test_a_drafting_request_is_priced_at_what_the_drafter_spends_on_it() -> None
     assert costs.request_cost(16) == fit.request_cost
 
 
+def test_in_lockstep_a_decode_row_costs_the_drafter_its_position() -> None:
+    """Lockstep: the drafter feeds every request's positions every step (the vote sized its first
+    pass), 6 us each, and 50 us a request it drafts for. A step without drafts is priced with its
+    16 positions, and a drafting request at its own work only (the positions it fed are fed
+    anyway); alone, the same steps would price the step without them."""
+    rng = np.random.default_rng(7)
+    fits = {}
+    for lockstep in (True, False):
+        costs = StepCostModel(feeds_every_row=lockstep)
+        drafted = 0
+        for _ in range(512):
+            drafting = int(rng.integers(0, 9))
+            fed = 16 + int(rng.binomial(drafted, 0.5))  # every position, and what the last drafts accepted
+            drafter = 0.0001 + 0.000006 * fed + 0.00005 * drafting
+            rows = 16 + drafted
+            target = 0.0015 + 0.00006 * rows + rng.normal(0, 0.00002)
+            costs.observe(rows, target + drafter, drafter, 1, num_draft_rows=drafted, drafter_rows=fed,
+                          drafting_reqs=drafting)
+            drafted = drafting
+        fits[lockstep] = costs.step_cost(16, 8)[0][0], costs.request_cost(16)
+    at_base, request = fits[True]
+    assert at_base == pytest.approx(0.0015 + 0.00006 * 16 + 0.0001 + 0.000006 * 16, rel=0.03)
+    assert request == pytest.approx(0.00005, rel=0.3)
+    assert fits[False][0] < at_base - 0.00006
+
+
 def test_a_draft_row_is_priced_as_a_row_that_computes_logits() -> None:
     """Prompt rows cost 0.6 ms, rows that compute logits (decode and draft rows) 0.9 ms (the lm_head
     and sampling on top): at high load most of the rows' variation is prompt chunks, yet a draft row
@@ -821,10 +847,11 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
 def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
     """Rows as dear as the step and nothing ever accepted: every fresh decision drafts nothing, and
     after PARK_AFTER decisions the policy parks; the first fresh decision that drafts (free rows,
-    everything accepted; at the next exploration, till which drafting nothing stands) ends it. A
-    policy that may not park (n-gram, lockstep) never does."""
-    for may_park in (True, False):
-        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0, may_park=may_park)
+    everything accepted; at the next exploration, till which drafting nothing stands) ends it. In
+    lockstep (every request feeds the drafter anyway) the policy never parks."""
+    for lockstep in (False, True):
+        may_park = not lockstep
+        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0, lockstep=lockstep)
         policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
         policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
         policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]

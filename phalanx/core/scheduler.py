@@ -271,7 +271,7 @@ class Scheduler:
         """Whether a request that may draft, arriving now, is parked (it runs as opted out for good):
         the adaptive policy has drafted nothing for a while (`AdaptiveDrafting.parks`), and it is
         not the `PROBE_EVERY`-th such arrival since the last probe."""
-        if self.adaptive is None or not self.adaptive.parks():
+        if self.adaptive is None or not self.adaptive.parks(len(self.running) + len(self.waiting) + 1):
             return False
         self._since_probe = (self._since_probe + 1) % PROBE_EVERY
         return self._since_probe != 0

@@ -78,9 +78,9 @@ MIN_DRAFTING_STEPS = 8
 # changes nothing.
 DRAFT_MIN_GAIN = 0.03
 # Once the policy's decisions have drafted nothing for this many decisions in a row (explorations
-# aside), a request that may draft and arrives now is parked (`AdaptiveDrafting.parks`): it runs as
-# if opted out for its whole life, so its prompt never feeds the drafter and no wait of its is kept
-# step after step. A request that may draft but is given nothing still costs the engine those: on
+# aside), a request that may draft and arrives now, at a load no lower than those decisions were
+# for, is parked (`AdaptiveDrafting.parks`): it runs as if opted out for its whole life, so its
+# prompt never feeds the drafter and no wait of its is kept step after step. A request that may draft but is given nothing still costs the engine those: on
 # the demo model at 16 requests, half of them opted out and the rest never drafting, ~12 % of
 # plain decoding's tokens per second. Two explorations' worth: the policy has looked again twice.
 PARK_AFTER = 2 * EXPLORE_EVERY
@@ -924,11 +924,16 @@ class AdaptiveDrafting:
         self._decisions = 0
         self._last: Decision | None = None  # the last fresh decision
         self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing
+        self._quiet_rows = 0  # the fewest base rows among those decisions
 
-    def parks(self) -> bool:
-        """Whether requests that may draft and arrive now are parked (`PARK_AFTER`; the scheduler
-        lets every `PROBE_EVERY`-th through)."""
-        return self.may_park and self._quiet_from is not None and self._decisions - self._quiet_from + 1 >= PARK_AFTER
+    def parks(self, load: int) -> bool:
+        """Whether requests that may draft and arrive now, `load` requests in the engine with them,
+        are parked (`PARK_AFTER`; the scheduler lets every `PROBE_EVERY`-th through): not where the
+        load is a grid point of the step-cost fits below every batch the policy drafted nothing
+        for (the load fell: drafting may pay again, and a parked request could never draft)."""
+        return (self.may_park and self._quiet_from is not None
+                and self._decisions - self._quiet_from + 1 >= PARK_AFTER
+                and self.costs.grid_point(load) >= self.costs.grid_point(self._quiet_rows))
 
     def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
                ) -> list[int]:
@@ -975,7 +980,9 @@ class AdaptiveDrafting:
         if any(lengths):
             self._quiet_from = None
         elif self._quiet_from is None:
-            self._quiet_from = self._decisions
+            self._quiet_from, self._quiet_rows = self._decisions, base_rows
+        else:
+            self._quiet_rows = min(self._quiet_rows, base_rows)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

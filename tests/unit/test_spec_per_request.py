@@ -166,7 +166,7 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
               speculative_config=_spec(method, models, adaptive=True))
     adaptive = llm.engine.adaptive
     assert adaptive is not None and adaptive.may_park
-    adaptive.parks = lambda: True  # type: ignore[method-assign]
+    adaptive.parks = lambda load: True  # type: ignore[method-assign]
     calls = _spy_drafts(llm)
     scheduler = llm.engine.scheduler
     schedule = scheduler.schedule

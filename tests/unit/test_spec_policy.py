@@ -846,9 +846,11 @@ def test_every_so_often_one_request_drafts_one_more() -> None:
 
 def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
     """Rows as dear as the step and nothing ever accepted: every fresh decision drafts nothing, and
-    after PARK_AFTER decisions the policy parks; the first fresh decision that drafts (free rows,
-    everything accepted; at the next exploration, till which drafting nothing stands) ends it. In
-    lockstep (every request feeds the drafter anyway) the policy never parks."""
+    after PARK_AFTER decisions the policy parks — at the load it decided for (16 requests) or more,
+    not where the load fell a grid point of the fits below it (drafting may pay there). The first
+    fresh decision that drafts (free rows, everything accepted; at the next exploration, till which
+    drafting nothing stands) ends it. In lockstep (every request feeds the drafter anyway) the
+    policy never parks."""
     for lockstep in (False, True):
         may_park = not lockstep
         policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0, lockstep=lockstep)
@@ -860,15 +862,16 @@ def test_new_requests_are_parked_after_a_while_of_drafting_nothing() -> None:
             policy.observe_verification("a", 3, 0)
             policy.observe_verification("b", 3, 3)
         for _ in range(PARK_AFTER):
-            assert not policy.parks()
-            policy.choose(["a"], [3], base_rows=1)
-        assert policy.parks() is may_park
+            assert not policy.parks(16)
+            policy.choose(["a"], [3], base_rows=16)
+        assert policy.parks(16) is may_park and policy.parks(40) is may_park
+        assert not policy.parks(8) and not policy.parks(1)
         policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
             [1.0] * (extra + 1), 0.0, 0.0)
         while (policy._decisions + 1) % EXPLORE_EVERY:  # the decision to draft nothing stands till then
-            assert policy.choose(["b"], [3], base_rows=1) == [0]
-        assert policy.choose(["b"], [3], base_rows=1) == [3]
-        assert not policy.parks()
+            assert policy.choose(["b"], [3], base_rows=16) == [0]
+        assert policy.choose(["b"], [3], base_rows=16) == [3]
+        assert not policy.parks(16)
 
 
 def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:

@@ -27,8 +27,9 @@ class NewRequestData:
     # Tokens the request produced before it reached this engine (a request replayed after the rank
     # that ran it died): they follow the prompt and count as output (penalties, min/max_tokens).
     output_token_ids: list[int] = field(default_factory=list)
-    # Parked by the adaptive policy: it never drafts, so it never reaches the drafter (as if opted out).
-    parked: bool = False
+    # The scheduler's verdict: it may be drafted for (its own cap above 0: neither opted out by its
+    # parameters nor parked by the adaptive policy). A request that may not never reaches the drafter.
+    may_draft: bool = False
 
 
 @dataclass

@@ -210,7 +210,7 @@ class Scheduler:
                         block_ids,
                         num_hit,
                         list(req.output_token_ids),
-                        req.parked,
+                        req.own_draft_cap > 0,
                     )
                 )
             num_scheduled[req.req_id] = num_new

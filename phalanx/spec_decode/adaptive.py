@@ -958,9 +958,10 @@ class AdaptiveDrafting:
         if max(caps) > self.k:
             caps = [min(c, self.k) for c in caps]
         key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
+        own_caps = [c for c in caps if c]  # those of the requests that may draft, in key order
         grid = self.costs.grid_point(base_rows)
         self._decisions += 1
-        reused = self._reuse(key, caps, grid)
+        reused = self._reuse(key, caps, own_caps, grid)
         if reused is not None:
             return reused
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
@@ -975,8 +976,7 @@ class AdaptiveDrafting:
             rates = self.acceptance.rates(req_ids, caps)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
                                            pass_cost, first_cost, DRAFT_MIN_GAIN, request_cost).tolist()
-        self._last = Decision(key, [c for c in caps if c], [n for n, c in zip(lengths, caps) if c], self._decisions,
-                              grid)
+        self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid)
         if any(lengths):
             self._quiet_from = None
         elif self._quiet_from is None:
@@ -1005,7 +1005,8 @@ class AdaptiveDrafting:
                 return explored
         return lengths
 
-    def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], grid: int) -> list[int] | None:
+    def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], own_caps: list[int], grid: int
+               ) -> list[int] | None:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
         due). One that drafted nothing stands for any batch near its grid point until the next
@@ -1025,9 +1026,8 @@ class AdaptiveDrafting:
             if last.grid != grid or max(caps) > max(last.caps):
                 return None
             known = dict(zip(last.key[0], last.caps))
-            return list(caps) if all(c <= known.get(r, c) for r, c in zip(key[0], (c for c in caps if c))) else None
-        if last.key != key or not all(n <= c <= was for n, c, was in zip(last.lengths, (c for c in caps if c),
-                                                                           last.caps)):
+            return list(caps) if all(c <= known.get(r, c) for r, c in zip(key[0], own_caps)) else None
+        if last.key != key or not all(n <= c <= was for n, c, was in zip(last.lengths, own_caps, last.caps)):
             return None
         it = iter(last.lengths)
         return [next(it) if c else 0 for c in caps]

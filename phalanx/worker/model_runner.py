@@ -56,7 +56,7 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs, as known to the runner
-    opted_out: bool = False  # its own parameters give it no drafts, ever (it never reaches the drafter)
+    opted_out: bool = False  # never drafted for (opted out, or parked: `NewRequestData.may_draft`); never fed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -164,8 +164,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
-                opted_out=self.proposer is not None and (
-                    new.parked or params.draft_cap(self.proposer.num_speculative_tokens) == 0),
+                opted_out=self.proposer is not None and not new.may_draft,
             )
             if self.proposer is not None:
                 self.proposer.start_request(new.req_id, new.num_computed_tokens)

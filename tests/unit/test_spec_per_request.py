@@ -174,7 +174,7 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
 
     def spy_schedule():  # noqa: ANN202
         out = schedule()
-        parked.update((new.req_id, new.parked) for new in out.new_reqs)
+        parked.update((new.req_id, scheduler.requests[new.req_id].parked) for new in out.new_reqs)
         return out
 
     scheduler.schedule = spy_schedule  # type: ignore[method-assign]

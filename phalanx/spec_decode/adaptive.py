@@ -363,7 +363,7 @@ class StepCostModel:
     def __init__(self, window: int = 512, half_life: float = 128.0, bandwidth: float = float(np.log(2.0)) / 2,
                  row_ridge: float = 16.0, pass_ridge: float = 1.0, verify_ridge: float = 1.0,
                  drafter_row_ridge: float = PRIOR_FIXED_ROWS ** 2,
-                 refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.1,
+                 refit_every: int = 32, logit_share: float = 0.0, refit_seconds: float = 0.3,
                  feeds_every_row: bool = False) -> None:
         self.window, self.bandwidth = window, bandwidth
         # In lockstep every request feeds the drafter every step (the vote sized its first pass for
@@ -378,9 +378,10 @@ class StepCostModel:
         # A fit (~60 numpy operations: ~0.15 ms with warm caches, ~0.45 ms between forward passes,
         # where the scheduler runs) is reused for this many steps; it moves little in 32 of a
         # 128-step half-life. And not before the steps since the last fit took `refit_seconds`
-        # together: on a small model a step takes ~1 ms and a fit with its curves ~0.4 ms between
-        # forward passes, so 32 steps alone would spend ~1 % of the engine's time refitting (the
-        # policy's whole cost at one request was ~4 % of a step there); 0.1 s bounds it at ~0.4 %.
+        # together: on a small model a step takes ~1.5 ms and a fit with its curves ~0.6 ms between
+        # forward passes (the demo at 4 requests, offline), so 32 steps alone would spend ~1 % of
+        # the engine's time refitting; 0.1 s still spent 0.7 % of the steps' time (a refit every
+        # ~55 steps), 0.3 s bounds it at ~0.2 % (on SmolLM2, ~25 ms a step, the 32 steps bind).
         self.refit_every, self.refit_seconds = refit_every, refit_seconds
         self._seconds_seen = 0.0  # the observed steps' seconds, summed
         self._fits_since_seconds = 0.0
@@ -388,6 +389,7 @@ class StepCostModel:
         self._curves: dict[tuple, tuple[list[float], float, float]] = {}  # step_cost's answers, as long as the fits
         self._fits_since = 0
         self._grid_step = bandwidth / 2
+        self._grid_points: dict[float, int] = {}  # rows -> `grid_point(rows)`
         self._near: dict[int, bool] = {}  # grid point -> some step measured within its cut (as long as the fits)
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         # The verification's prior (0) weighs one pair of steps, as a pass's does. Weighing 8, served
@@ -775,8 +777,13 @@ class StepCostModel:
         """Fits are taken at grid points half the bandwidth apart in log(rows + PRIOR_FIXED_ROWS), the
         nearest one standing for `rows` (a fit weighs steps up to two bandwidths away: it moves little
         over a quarter of one): batch sizes that differ by a request or a prompt chunk share one fit
-        instead of each taking its own."""
-        return max(round(math.log((rows + PRIOR_FIXED_ROWS) / PRIOR_FIXED_ROWS) / self._grid_step), 0)
+        instead of each taking its own. Remembered per `rows` (the policy asks every step)."""
+        j = self._grid_points.get(rows)
+        if j is None:
+            j = max(round(math.log((rows + PRIOR_FIXED_ROWS) / PRIOR_FIXED_ROWS) / self._grid_step), 0)
+            if len(self._grid_points) < 4096:  # rows are whole numbers up to the token budget
+                self._grid_points[rows] = j
+        return j
 
     def _grid_rows(self, j: int) -> float:
         return PRIOR_FIXED_ROWS * math.exp(j * self._grid_step) - PRIOR_FIXED_ROWS
@@ -948,14 +955,15 @@ class AdaptiveDrafting:
         the shortest wait, and the whole batch at its caps is tried only where it comes within
         the margin with its catch-ups paid. The same requests and base rows as the last fresh
         decision, with caps no higher than it had and still holding its lengths, keep it for up
-        to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing
-        (`REUSE_DECISIONS`)."""
-        if not req_ids or max(caps, default=0) == 0:
+        to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing or every
+        cap (`REUSE_DECISIONS`)."""
+        top = max(caps, default=0)
+        if not req_ids or top == 0:
             return list(caps)
         if self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows):
             self._quiet_from = None  # drafting every cap
             return list(caps)
-        if max(caps) > self.k:
+        if top > self.k:
             caps = [min(c, self.k) for c in caps]
         key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
         own_caps = [c for c in caps if c]  # those of the requests that may draft, in key order
@@ -1010,23 +1018,27 @@ class AdaptiveDrafting:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
         due). One that drafted nothing stands for any batch near its grid point until the next
-        exploration; one that gave every request its cap, for REUSE_DECISIONS decisions, for any
+        exploration; one that gave every request its cap, until the next exploration too, for any
         batch near its grid point whose requests it knew have no higher caps and none deeper than
-        its deepest (a new request gets its cap); any other, for the same requests and base rows
-        while the caps that fell still hold its lengths."""
+        its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
+        same requests and base rows while the caps that fell still hold its lengths."""
         last = self._last
         if last is None or self._decisions % EXPLORE_EVERY == 0:
             return None
         age = self._decisions - last.at
         if not any(last.lengths):
             return [0] * len(caps) if age < EXPLORE_EVERY and last.grid == grid else None
-        if age >= REUSE_DECISIONS:
-            return None
         if last.lengths == last.caps:
-            if last.grid != grid or max(caps) > max(last.caps):
+            if age >= EXPLORE_EVERY or last.grid != grid:
+                return None
+            if own_caps == last.caps and key[0] == last.key[0]:  # the same requests (the common case)
+                return list(caps)
+            if max(own_caps) > max(last.caps):
                 return None
             known = dict(zip(last.key[0], last.caps))
             return list(caps) if all(c <= known.get(r, c) for r, c in zip(key[0], own_caps)) else None
+        if age >= REUSE_DECISIONS:
+            return None
         if last.key != key or not all(n <= c <= was for n, c, was in zip(last.lengths, own_caps, last.caps)):
             return None
         it = iter(last.lengths)

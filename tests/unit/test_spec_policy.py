@@ -716,23 +716,24 @@ def test_adaptive_drafting_drafts_the_caps_until_a_step_was_measured() -> None:
 
 
 def test_an_unchanged_batch_keeps_its_decision_for_a_few_steps() -> None:
-    """The same requests, caps and base rows as the last fresh decision: it stands for
-    REUSE_DECISIONS decisions in all, however the estimates moved meanwhile; another batch, or the
-    same one once those are used up, is decided afresh."""
+    """The same requests, caps and base rows as the last fresh decision (one that drafts for some
+    requests, not all): it stands for REUSE_DECISIONS decisions in all, however the estimates moved
+    meanwhile; another batch, or the same one once those are used up, is decided afresh."""
     policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
     for _ in range(30):
         policy.observe_verification("a", 3, 3)  # "a" always accepts
+        policy.observe_verification("b", 3, 0)  # "b" never does
     for rows in (2, 4, 6, 8):
         policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1)
-    fresh = policy.choose(["a"], [3], base_rows=2)
-    assert fresh[0] > 0
+    fresh = policy.choose(["a", "b"], [3, 3], base_rows=2)
+    assert fresh[0] > 0 and fresh[1] == 0
     for _ in range(60):
-        policy.observe_verification("a", 3, 0)  # now it never does
+        policy.observe_verification("a", 3, 0)  # now it never does either
     for _ in range(REUSE_DECISIONS - 1):
-        assert policy.choose(["a"], [3], base_rows=2) == fresh  # reused
-    assert policy.choose(["a"], [3], base_rows=2) == [0]  # decided again
-    policy.observe_verification("b", 3, 3)
-    assert policy.choose(["a", "b"], [3, 3], base_rows=2)[0] == 0  # another batch: decided afresh
+        assert policy.choose(["a", "b"], [3, 3], base_rows=2) == fresh  # reused
+    assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [0, 0]  # decided again
+    policy.observe_verification("c", 3, 3)
+    assert policy.choose(["a", "c"], [3, 3], base_rows=2)[0] == 0  # another batch: decided afresh
 
 
 def _policy_with_costs() -> AdaptiveDrafting:
@@ -764,7 +765,7 @@ def test_a_decision_stands_while_the_caps_fall_and_still_hold_it() -> None:
 
 
 def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size() -> None:
-    """Every request at its cap: for REUSE_DECISIONS decisions a batch near the same size keeps it,
+    """Every request at its cap: until the next exploration a batch near the same size keeps it,
     a new request at its cap, unless a request it knew has a higher cap or some cap goes deeper
     than its deepest; a batch of another size is decided afresh."""
     policy = _policy_with_costs()
@@ -775,10 +776,13 @@ def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size(
     assert policy.choose(["a", "c"], [3, 2], base_rows=2) == [3, 2]  # "c" new: at its cap
     assert policy.choose(["a", "d"], [2, 1], base_rows=2) == [2, 1]  # reused, though "d" would not draft
     assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 3]  # "b"'s cap rose: afresh
-    assert policy.choose(["a", "d"], [3, 3], base_rows=2) == [3, 3]  # reused ...
-    policy.choose(["a"], [3], base_rows=2)
-    policy.choose(["a"], [3], base_rows=2)
-    assert policy.choose(["a", "d"], [3, 3], base_rows=2) == [3, 0]  # ... up to REUSE_DECISIONS
+    held = 0
+    while (policy._decisions + 1) % EXPLORE_EVERY:
+        assert policy.choose(["a", "d"], [3, 3], base_rows=2) == [3, 3]  # reused ...
+        held += 1
+    assert held > REUSE_DECISIONS
+    policy.choose(["a", "d"], [3, 3], base_rows=2)  # ... up to the exploration's turn: decided afresh
+    assert policy._last is not None and policy._last.lengths == [3, 0]
     assert policy.choose(["a", "b"], [3, 3], base_rows=8)  # another size: afresh
     assert policy._last is not None and policy._last.key[1] == 8
 

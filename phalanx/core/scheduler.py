@@ -287,6 +287,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         self._drafter_waiting = out.drafter_kv_end
+        verified: list[tuple[str, int, int]] = []  # (req_id, drafts, accepted): the policy's, at the end
         for i, req_id in enumerate(out.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -298,6 +299,7 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 self._record_acceptance(req, len(drafts), num_accepted)
+                verified.append((req_id, len(drafts), num_accepted))
             req.spec_token_ids = []
             new_tokens: list[int] = []
             status = None
@@ -309,6 +311,9 @@ class Scheduler:
             self.kv.cache_computed_blocks(req, out.drafter_kv_end.get(req_id))
             logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs is not None else None
             if status is not None:
+                if verified and self.adaptive is not None:  # before _finish forgets the request
+                    self.adaptive.observe_verifications(verified)
+                    verified = []
                 self.running.remove(req)
                 self._finish(req, status)
             elif out.spec_token_ids is not None and new_tokens and out.spec_token_ids[i]:
@@ -330,6 +335,8 @@ class Scheduler:
                         num_verify_steps=req.num_verify_steps,
                     )
                 )
+        if self.adaptive is not None and verified:
+            self.adaptive.observe_verifications(verified)
         return outputs
 
     def _clip_drafts(self, req: Request, drafts: list[int]) -> list[int]:
@@ -338,8 +345,6 @@ class Scheduler:
         return list(drafts[: max(room, 0)])
 
     def _record_acceptance(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        if self.adaptive is not None:
-            self.adaptive.observe_verification(req.req_id, num_drafts, num_accepted)
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += num_accepted
         req.num_verify_steps += 1

@@ -185,28 +185,34 @@ class AcceptanceStats:
         """Counts decay per test of their own position: a position tested rarely (a third draft, while
         the policy drafts one or two) keeps what its last tests said instead of fading to the prior
         with every verification of the first, which would keep the policy from ever drafting there."""
-        a = num_accepted
-        tested_upto = a + 1 if a < num_drafts else num_drafts
-        counts = self._counts.get(req_id)
-        if counts is None:
-            counts = self._counts[req_id] = ([0.0] * self.k, [0.0] * self.k)
-        tested, accepted = counts
+        self.observe_all([(req_id, num_drafts, num_accepted)])
+
+    def observe_all(self, verified: list[tuple[str, int, int]]) -> None:
+        """`observe` each (req_id, num_drafts, num_accepted) in turn: a step's verifications in one
+        call (this runs every step, between forward passes)."""
+        counts_of, k = self._counts, self.k
         d, e = self.request_decay, self.engine_decay
         et, ea = self.engine_tested, self.engine_accepted
-        for j in range(tested_upto):  # (plain float updates: this runs per request per step)
-            tested[j] = tested[j] * d + 1.0
-            et[j] = et[j] * e + 1.0
-            if j < a:
-                accepted[j] = accepted[j] * d + 1.0
-                ea[j] = ea[j] * e + 1.0
-            else:
-                accepted[j] *= d
-                ea[j] *= e
-        # position j - 1 where position j was drafted (and j - 1 tested: 1..j-2 accepted)
         pt, pa = self.engine_prev_tested, self.engine_prev_accepted
-        for j in range(1, min(num_drafts, self.k, tested_upto + 1)):
-            pt[j] = pt[j] * e + 1.0
-            pa[j] = pa[j] * e + 1.0 if j - 1 < a else pa[j] * e
+        for req_id, num_drafts, a in verified:
+            tested_upto = a + 1 if a < num_drafts else num_drafts
+            counts = counts_of.get(req_id)
+            if counts is None:
+                counts = counts_of[req_id] = ([0.0] * k, [0.0] * k)
+            tested, accepted = counts
+            for j in range(tested_upto):  # (plain float updates)
+                tested[j] = tested[j] * d + 1.0
+                et[j] = et[j] * e + 1.0
+                if j < a:
+                    accepted[j] = accepted[j] * d + 1.0
+                    ea[j] = ea[j] * e + 1.0
+                else:
+                    accepted[j] *= d
+                    ea[j] *= e
+            # position j - 1 where position j was drafted (and j - 1 tested: 1..j-2 accepted)
+            for j in range(1, min(num_drafts, k, tested_upto + 1)):
+                pt[j] = pt[j] * e + 1.0
+                pa[j] = pa[j] * e + 1.0 if j - 1 < a else pa[j] * e
 
     def forget(self, req_id: str) -> None:
         self._counts.pop(req_id, None)
@@ -1046,6 +1052,10 @@ class AdaptiveDrafting:
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
+
+    def observe_verifications(self, verified: list[tuple[str, int, int]]) -> None:
+        """A step's verifications, (req_id, num_drafts, num_accepted) each, in batch order."""
+        self.acceptance.observe_all(verified)
 
     def observe_step(self, num_rows: int, seconds: float, drafter_seconds: float, drafter_passes: int,
                      num_logit_rows: int | None = None, num_draft_rows: int = 0, drafter_rows: int | None = None,

@@ -148,6 +148,9 @@ def test_opt_outs_and_caps_are_lossless_and_honoured(method: str, dtype: str, ad
     assert opted_out_steps > 0 and not {rid for ids, _, _ in calls for rid in ids} & {
         str(i) for i, p in enumerate(params) if p.draft_cap(K) == 0}
     assert 0 < counts[0] <= wanted.count(0) + opted_out_steps
+    if adaptive:  # every verification reached the policy; every finished request was forgotten
+        stats = llm.engine.adaptive.acceptance
+        assert stats.engine_tested[0] > 0 and not stats._counts
 
 
 @pytest.mark.parametrize("method", ["eagle", "draft"])

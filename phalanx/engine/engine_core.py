@@ -36,6 +36,15 @@ STEP_LOG_ENV = "PHALANX_DEBUG_STEP_LOG"
 # The adaptive policy's step-time profile runs batches of up to this many rows (beyond: extrapolated).
 PROFILE_MAX_ROWS = 256
 
+# A step whose engine thread got less CPU time than this share of the step's wall time was
+# preempted (other processes on the same cores: the API server, a client) and tells the policy
+# about them, not about what it chose: it is left out of the step-cost model (outside lockstep,
+# whose steps wait for the other ranks by design). Alone, the thread runs >= 0.96 of every step
+# (the demo and SmolLM2 offline, 2 threads); served at 32 requests on 2 cores with the benchmark's
+# client beside it, single steps took 2-4x their neighbours' time, and fits on them had the policy
+# draft nothing for a spell where k = 3 paid 1.5x.
+MIN_CPU_SHARE = 2 / 3
+
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, group: DPGroup | None = None) -> None:
@@ -72,7 +81,8 @@ class EngineCore:
             adaptive=self.adaptive,
         )
         # the last step's observation for the adaptive policy, waiting for the next step's start
-        self._last_step: tuple[dict, float, float, bool] | None = None
+        self._last_step: tuple[dict, float, float, bool, bool] | None = None
+        self.num_preempted_steps = 0  # steps left out of the step-cost model (MIN_CPU_SHARE)
         self.num_steps = 0
         self.step_seconds = 0.0  # wall time inside step(), for the engine-overhead figure
         self.num_prompt_tokens = 0
@@ -124,16 +134,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
-        outputs = self._execute(sched, None, t0)
+        outputs = self._execute(sched, None, t0, cpu0)
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, plan: StepPlan | None, t0: float) -> list[EngineCoreOutput]:
-        """Run the step; `t0`: when it began (its scheduling, and in lockstep its vote, included)."""
+    def _execute(self, sched: SchedulerOutput, plan: StepPlan | None, t0: float, cpu0: float
+                 ) -> list[EngineCoreOutput]:
+        """Run the step; `t0`: when it began (its scheduling, and in lockstep its vote, included),
+        `cpu0`: the engine thread's CPU time then (`time.thread_time`)."""
         drafter_before, forward_before = self.runner.drafter_seconds, self.runner.forward_seconds
         result = self.runner.execute(sched, plan)
         outputs = self.scheduler.update_from_output(sched, result)
@@ -144,9 +156,9 @@ class EngineCore:
             return outputs
         num_draft_rows = sum(len(d) for d in sched.scheduled_spec_tokens.values())
         if self._step_log is not None:
-            self._log_step(sched, result, t0, forward_before, drafter_before, num_draft_rows, emitted)
+            self._log_step(sched, result, t0, cpu0, forward_before, drafter_before, num_draft_rows, emitted)
         if self.adaptive is not None:
-            self._observe_step(t0, dict(
+            self._observe_step(t0, cpu0, dict(
                 num_rows=plan.num_tokens if plan is not None else sched.total_num_scheduled_tokens,
                 drafter_seconds=self.runner.drafter_seconds - drafter_before,
                 forward_seconds=self.runner.forward_seconds - forward_before,
@@ -159,18 +171,20 @@ class EngineCore:
             ))
         return outputs
 
-    def _log_step(self, sched: SchedulerOutput, result: ModelRunnerOutput, t0: float, forward_before: float,
-                  drafter_before: float, num_draft_rows: int, emitted: int) -> None:
+    def _log_step(self, sched: SchedulerOutput, result: ModelRunnerOutput, t0: float, cpu0: float,
+                  forward_before: float, drafter_before: float, num_draft_rows: int, emitted: int) -> None:
         """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
         tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
         `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
         fed and `drafter_pass_rows` those its later passes fed, `drafting` the requests it drafted
         for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
-        the tokens the step emitted. What tells where a step's time goes, per batch shape."""
+        the tokens the step emitted, `cpu` the engine thread's CPU seconds in it (below `t1 - t0`:
+        preempted). What tells where a step's time goes, per batch shape."""
         assert self._step_log is not None
         self._step_log.write(json.dumps({
-            "t0": t0, "t1": time.perf_counter(), "rows": sched.total_num_scheduled_tokens,
+            "t0": t0, "t1": time.perf_counter(), "cpu": time.thread_time() - cpu0,
+            "rows": sched.total_num_scheduled_tokens,
             "reqs": len(sched.num_scheduled_tokens),
             "drafts": num_draft_rows,
             "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,
@@ -180,18 +194,24 @@ class EngineCore:
             "tokens": emitted,
         }) + "\n")
 
-    def _observe_step(self, t0: float, step: dict) -> None:
+    def _observe_step(self, t0: float, cpu0: float, step: dict) -> None:
         """Give the adaptive policy the previous step, timed from its start to this one's when the
         engine went straight on (requests in flight): what the loop does between steps (sending
         outputs, taking new requests in, in an API server; detokenizing, offline) is paid once per
         step, so fewer, longer steps save it, and it belongs in the step's time. After an idle
-        spell the previous step counts its own time only. This step waits for the next."""
+        spell the previous step counts its own time only. This step waits for the next. A step
+        preempted for more than a third of its own time (`MIN_CPU_SHARE`; not in lockstep) is
+        left out."""
         assert self.adaptive is not None
         now = time.perf_counter()
+        ran = self.lockstep or time.thread_time() - cpu0 >= MIN_CPU_SHARE * (now - t0)
+        if not ran:
+            self.num_preempted_steps += 1
         if self._last_step is not None:
-            last, start, end, went_on = self._last_step
-            self.adaptive.observe_step(seconds=(t0 if went_on else end) - start, **last)
-        self._last_step = (step, t0, now, self.has_unfinished_requests())
+            last, start, end, went_on, kept = self._last_step
+            if kept:
+                self.adaptive.observe_step(seconds=(t0 if went_on else end) - start, **last)
+        self._last_step = (step, t0, now, self.has_unfinished_requests(), ran)
 
     # ---- data-parallel lockstep (DESIGN §5) ------------------------------------------------
     def step_lockstep(
@@ -202,7 +222,7 @@ class EngineCore:
         step when this rank has nothing, or nothing at all. Every rank calls this every iteration,
         idle or not (rule 6)."""
         assert self.group is not None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         sched = self.scheduler.schedule()
         k = self.num_speculative_tokens
         # Requests drafting at least 1, 2, .., k tokens: the drafter's passes are sized from these.
@@ -223,7 +243,7 @@ class EngineCore:
             # Nothing scheduled anywhere; the runner still drops finished requests' state.
             self.runner.execute(sched, plan)
             return [], plan
-        return self._execute(sched, plan, t0), plan
+        return self._execute(sched, plan, t0, cpu0), plan
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -30,6 +30,7 @@ import pytest
 from benchmarks.step_log import summarise
 from phalanx import LLM, SamplingParams
 from phalanx.core import scheduler as scheduler_module
+from phalanx.engine import engine_core as engine_core_module
 from phalanx.engine.engine_core import STEP_LOG_ENV
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
@@ -313,6 +314,42 @@ def test_a_step_is_timed_to_the_next_steps_start(models: dict[str, Path]) -> Non
     engine.add_request(EngineCoreRequest("b", [5, 6, 7, 9], params, time.monotonic()))
     engine.step()
     assert len(seen) == went_on + 1 and seen[-1] < 0.05  # the last step of "a": its own time
+
+
+def test_a_preempted_step_is_left_out_of_the_step_costs(models: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step in which the engine thread got less CPU time than MIN_CPU_SHARE of its wall time
+    was preempted by other processes: the policy's step-cost model never sees it. Every other
+    step is observed (a step waits for the next one's start)."""
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True))
+    engine = llm.engine
+    assert engine.adaptive is not None
+    observe, seen = engine.adaptive.observe_step, []
+
+    def spy(**step: Any) -> None:
+        seen.append(step["seconds"])
+        observe(**step)
+
+    engine.adaptive.observe_step = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(req_id: str) -> int:
+        engine.add_request(EngineCoreRequest(req_id, [5, 6, 7, 8], params, time.monotonic()))
+        before = engine.num_steps
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine.num_steps - before
+
+    steps = run("a")
+    # each step observed or counted preempted, the last one's observation waiting for the next step
+    assert steps - 1 <= len(seen) + engine.num_preempted_steps <= steps
+    # No CPU time at all: every step from here on was preempted.
+    monkeypatch.setattr(engine_core_module, "time", SimpleNamespace(
+        perf_counter=time.perf_counter, monotonic=time.monotonic, thread_time=lambda: 0.0))
+    observed, preempted = len(seen), engine.num_preempted_steps
+    steps = run("b")
+    assert engine.num_preempted_steps - preempted == steps
+    assert len(seen) - observed <= 1  # "a"'s last step, timed by "b"'s first
 
 
 def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> None:

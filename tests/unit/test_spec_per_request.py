@@ -587,7 +587,7 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     assert sum(s["drafts"] for s in lines) > 0 and max(s["passes"] for s in lines) == K
     for s in lines:
         assert s["t1"] > s["t0"] and 0 < s["forward"] <= s["t1"] - s["t0"] and s["drafter"] >= 0
-        assert s["rows"] >= s["reqs"] + s["drafts"] > 0
+        assert s["rows"] >= s["reqs"] + s["drafts"] > 0 and s["cpu"] > 0
     text = summarise(tmp_path / f"steps.{os.getpid()}", reqs=3, skip=0)
     assert f"{len(lines)} steps" in text and "36 tokens" in text and "3 requests decoding" in text
     monkeypatch.delenv(STEP_LOG_ENV)

@@ -289,10 +289,8 @@ def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dic
     assert any(num_reqs == 2 and rows > 2 * (1 + K) for _, num_reqs, rows in steps)
 
 
-def test_a_step_is_timed_to_the_next_steps_start(models: dict[str, Path]) -> None:
-    """What the loop does between steps (a server sends outputs and takes requests in) is paid once
-    per step: while requests are in flight the policy is given each step's time from its start to
-    the next step's start; the step before an idle spell counts its own time only."""
+def _observed_engine(models: dict[str, Path]) -> tuple[Any, list[float]]:
+    """An adaptive EAGLE engine whose policy's step observations are recorded (their seconds)."""
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True))
     engine = llm.engine
     assert engine.adaptive is not None
@@ -303,6 +301,14 @@ def test_a_step_is_timed_to_the_next_steps_start(models: dict[str, Path]) -> Non
         observe(**step)
 
     engine.adaptive.observe_step = spy  # type: ignore[method-assign]
+    return engine, seen
+
+
+def test_a_step_is_timed_to_the_next_steps_start(models: dict[str, Path]) -> None:
+    """What the loop does between steps (a server sends outputs and takes requests in) is paid once
+    per step: while requests are in flight the policy is given each step's time from its start to
+    the next step's start; the step before an idle spell counts its own time only."""
+    engine, seen = _observed_engine(models)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request(EngineCoreRequest("a", [5, 6, 7, 8], params, time.monotonic()))
     while engine.has_unfinished_requests():
@@ -321,16 +327,7 @@ def test_a_preempted_step_is_left_out_of_the_step_costs(models: dict[str, Path],
     """A step in which the engine thread got less CPU time than MIN_CPU_SHARE of its wall time
     was preempted by other processes: the policy's step-cost model never sees it. Every other
     step is observed (a step waits for the next one's start)."""
-    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True))
-    engine = llm.engine
-    assert engine.adaptive is not None
-    observe, seen = engine.adaptive.observe_step, []
-
-    def spy(**step: Any) -> None:
-        seen.append(step["seconds"])
-        observe(**step)
-
-    engine.adaptive.observe_step = spy  # type: ignore[method-assign]
+    engine, seen = _observed_engine(models)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def run(req_id: str) -> int:

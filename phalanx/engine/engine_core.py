@@ -42,7 +42,7 @@ PROFILE_MAX_ROWS = 256
 # whose steps wait for the other ranks by design). Alone, the thread runs >= 0.96 of every step
 # (the demo and SmolLM2 offline, 2 threads); served at 32 requests on 2 cores with the benchmark's
 # client beside it, single steps took 2-4x their neighbours' time, and fits on them had the policy
-# draft nothing for a spell where k = 3 paid 1.5x.
+# draft nothing for spells of tens of steps where k = 3 paid ~1.5x.
 MIN_CPU_SHARE = 2 / 3
 
 

@@ -287,7 +287,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         self._drafter_waiting = out.drafter_kv_end
-        verified: list[tuple[str, int, int]] = []  # (req_id, drafts, accepted): the policy's, at the end
+        verified: list[tuple[str, int, int]] = []  # (req_id, drafts, accepted): the adaptive policy's
         for i, req_id in enumerate(out.req_ids):
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -299,7 +299,8 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 self._record_acceptance(req, len(drafts), num_accepted)
-                verified.append((req_id, len(drafts), num_accepted))
+                if self.adaptive is not None:
+                    verified.append((req_id, len(drafts), num_accepted))
             req.spec_token_ids = []
             new_tokens: list[int] = []
             status = None
@@ -311,7 +312,7 @@ class Scheduler:
             self.kv.cache_computed_blocks(req, out.drafter_kv_end.get(req_id))
             logprobs = out.logprobs[i][: len(new_tokens)] if out.logprobs is not None else None
             if status is not None:
-                if verified and self.adaptive is not None:  # before _finish forgets the request
+                if verified:  # before _finish forgets the request
                     self.adaptive.observe_verifications(verified)
                     verified = []
                 self.running.remove(req)
@@ -335,7 +336,7 @@ class Scheduler:
                         num_verify_steps=req.num_verify_steps,
                     )
                 )
-        if self.adaptive is not None and verified:
+        if verified:
             self.adaptive.observe_verifications(verified)
         return outputs
 

@@ -606,6 +606,10 @@ class StepCostModel:
             w, wd, recency)
         if self.feeds_every_row:  # the first pass runs every step, drafts or none: part of every step
             drafter_fixed, first_cost = drafter_fixed + first_cost, 0.0
+        # The drafter feeds a prompt row (always) and a draft row (a drafting request's), not a decode
+        # row of a request that does not draft (it waits; in lockstep it does not): a decode row's
+        # position, fed or waiting.
+        fed_row = drafter_row if self.feeds_every_row else 0.0
         dv = v - np.roll(v, 1)
         if self._profile is not None:
             # The target's forward and lm_head: the profiled shape times one scale, the ratio of
@@ -627,7 +631,6 @@ class StepCostModel:
                 gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, (dz * wd) @ dr), 0.0).tolist()
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
-            fed_row = drafter_row if self.feeds_every_row else 0.0  # a decode row's position, fed or waiting
             return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row),
                            float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
                            catch_up_row, drafter_row, request_cost)
@@ -656,9 +659,6 @@ class StepCostModel:
             target_row = row_prior / (1.0 + self.logit_share)
             verify_cost = 0.0
         fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
-        # The drafter feeds a prompt row (always) and a draft row (a drafting request's), not a decode
-        # row of a request that does not draft (it waits; in lockstep it does not).
-        fed_row = drafter_row if self.feeds_every_row else 0.0
         return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
                        float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost)
 

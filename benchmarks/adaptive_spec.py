@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_util import REPO, start_server, stop_server  # noqa: E402
 
 from phalanx.bench.metrics import RequestResult, parse_prometheus, spec_acceptance, spec_counters, summarize  # noqa: E402
-from phalanx.bench.serve import send_request  # noqa: E402
+from phalanx.bench.serve import client_session, send_request  # noqa: E402
 
 DEMO_QUESTIONS = REPO / "evals/phalanx-math/phalanx_math_test.jsonl"
 _NAMES = ("alpha", "beta", "gamma", "delta", "omega", "theta", "sigma", "kappa")
@@ -104,9 +104,8 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
     carries (a mode on a shared server: `speculative`, `num_speculative_tokens`); an item's own
     opt-out comes first."""
     url = f"{base}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
-        before = (await client.get(f"{base}/metrics")).text
+    async with client_session(timeout_s) as client:
+        before = await metrics_text(client, base)
         semaphore = asyncio.Semaphore(concurrency)
 
         async def one(prompt: str, speculative: bool) -> RequestResult:
@@ -118,7 +117,7 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
         start = time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in items)), timeout_s)
         duration = time.perf_counter() - start
-        after = (await client.get(f"{base}/metrics")).text
+        after = await metrics_text(client, base)
     summary = summarize(results, duration)
     parsed = parse_prometheus(before), parse_prometheus(after)
     counters = spec_counters(parsed[0]), spec_counters(parsed[1])
@@ -139,14 +138,22 @@ async def prime_level(base: str, model: str, items: list[tuple[str, bool]], conc
     workload, one request at a time) adaptive, the adaptive server's first, waited 36.8 ms for a
     first token where k = 3 waited 19.4, ~1.5 % of its throughput."""
     url = f"{base}/v1/chat/completions"
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0)) as client:
+    async with client_session(timeout_s) as client:
         semaphore = asyncio.Semaphore(concurrency)
 
         async def one(prompt: str, speculative: bool) -> None:
-            async with semaphore:
-                (await client.post(url, json=chat_body(model, prompt, speculative, 1))).raise_for_status()
+            async with semaphore, client.post(url, json=chat_body(model, prompt, speculative, 1)) as r:
+                r.raise_for_status()
+                await r.read()
 
         await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in dict.fromkeys(items))), timeout_s)
+
+
+async def metrics_text(client: Any, base: str) -> str:
+    """The server's /metrics page (`client`: an aiohttp session)."""
+    async with client.get(f"{base}/metrics") as r:
+        r.raise_for_status()
+        return await r.text()
 
 
 def draft_length_counts(text: str) -> dict[str, float]:

@@ -26,13 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_util import REPO, start_server, stop_server  # noqa: E402
-from phalanx.bench.serve import send_request  # noqa: E402
+from phalanx.bench.serve import client_session, send_request  # noqa: E402
 
 WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but "
@@ -59,8 +58,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace, base: str, long_prompts: list[str]) -> dict[str, list[float]]:
     url = f"{base}/v1/chat/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as client:
+    async with client_session(600.0) as client:
 
         def body(content: str, max_tokens: int) -> dict:
             return {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
@@ -74,7 +72,8 @@ async def run(args: argparse.Namespace, base: str, long_prompts: list[str]) -> d
         async def probe() -> None:
             while not done.is_set():
                 t0 = time.perf_counter()
-                await client.get(f"{base}/health")
+                async with client.get(f"{base}/health") as r:
+                    await r.read()
                 probes.append(time.perf_counter() - t0)
                 await asyncio.sleep(args.probe_interval)
 
@@ -84,8 +83,9 @@ async def run(args: argparse.Namespace, base: str, long_prompts: list[str]) -> d
         long_tasks = []
 
         async def tokenize(content: str) -> None:
-            r = await client.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": content}]})
-            r.raise_for_status()
+            async with client.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": content}]}) as r:
+                r.raise_for_status()
+                await r.read()
 
         def send_long(content: str) -> asyncio.Task:
             if args.long_endpoint == "tokenize":

@@ -1,12 +1,16 @@
 """`phalanx bench serve`: load-test any OpenAI-compatible server (phalanx, vLLM, ...) over HTTP.
 
 Owns: the request schedule (Poisson arrivals at `--request-rate`, capped by `--max-concurrency`),
-streaming each request over SSE with httpx and timing its chunks, reading speculative-decoding
+streaming each request over SSE with aiohttp and timing its chunks, reading speculative-decoding
 counters from `/metrics` before and after the run, the printed report and `--json` output.
 Does not own: the metric definitions (``metrics``) or prompt generation (``datasets``).
 
 Output tokens are counted from the final `usage` chunk (`stream_options.include_usage`), which
 phalanx and vLLM both send; a server that does not gets one token per content chunk.
+
+The client is aiohttp, as in vLLM's benchmark: it runs on the server's machine, so what it spends
+per chunk is taken from the server. httpx's streaming client cost ~4x as much CPU per chunk, enough
+to starve a small model's server at high concurrency (docs/benchmarks.md, "The load generator").
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -89,27 +94,50 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def client_session(request_timeout_s: float, api_key: str | None = None) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client (call inside the event loop): no cap on connections (the
+    concurrency is the caller's), `request_timeout_s` the most seconds a request may wait for its
+    next bytes, 30 s to connect."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout_s),
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+    )
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines (without the newline), however the bytes arrive and however long a line."""
+    pending = b""
+    async for data in content.iter_any():
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
+
+
 async def send_request(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt_len: int, headers: dict[str, str]
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int, headers: dict[str, str]
 ) -> RequestResult:
     """Stream one request; never raises (failures are recorded in the result)."""
     result = RequestResult(prompt_len=prompt_len, start=time.perf_counter())
     usage_tokens: int | None = None
     num_chunks = 0
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
             done = False
-            async for line in response.aiter_lines():
+            async for line in _lines(response.content):
                 # After [DONE] read on to the end of the body: a response left unread closes its
                 # connection, and the next request would open a new one.
-                if done or not line.startswith("data:"):
+                if done or not line.startswith(b"data:"):
                     continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:") :].strip()
+                if data == b"[DONE]":
                     done = True
                     continue
                 now = time.perf_counter()
@@ -135,11 +163,11 @@ async def send_request(
     return result
 
 
-async def read_metrics(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+async def read_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float] | None:
     try:
-        r = await client.get(f"{base}/metrics", timeout=10.0)
-        return parse_prometheus(r.text) if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+            return parse_prometheus(await r.text()) if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
 
@@ -171,10 +199,8 @@ def build_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
 async def run_benchmark(args: argparse.Namespace, prompts: list[BenchPrompt]) -> dict[str, Any]:
     base = base_url_of(args.base_url)
     url = base + ENDPOINT_PATHS[args.endpoint]
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers: dict[str, str] = {}
+    async with client_session(args.request_timeout, args.api_key) as client:
         for i in range(args.num_warmups):
             warm = await send_request(client, url, request_body(args, prompts[i % len(prompts)]), 0, headers)
             if not warm.success:
@@ -282,7 +308,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: all)")
     g.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent (one at a time) before timing")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="most seconds a request waits for its next bytes")
     g = p.add_argument_group("sampling")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--temperature", type=float, default=0.0)

@@ -244,58 +244,91 @@ def test_bench_cli_parses_all_three_subcommands() -> None:
         parser.parse_args(["bench", "serve", "--model", "m", "--request-rate", "0"])
 
 
+async def _serve_once(handler, go):  # noqa: ANN001, ANN202
+    """Run `go(base_url)` against a loopback aiohttp server answering every request with `handler`."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port the OS chose
+    try:
+        return await go(f"http://127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+
+
 def test_send_request_parses_sse_usage_and_http_errors() -> None:
     import asyncio
 
-    import httpx
+    from aiohttp import web
 
-    from phalanx.bench.serve import send_request
+    from phalanx.bench.serve import client_session, send_request
 
     chunks = [{"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "bc"}]},
               {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}]
     sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    seen: list[dict] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/fail":
-            return httpx.Response(400, json={"error": {"message": "bad"}})
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+    async def handler(request: web.Request) -> web.Response:
+        seen.append({"body": await request.json(), "auth": request.headers.get("Authorization")})
+        if request.path == "/fail":
+            return web.json_response({"error": {"message": "bad"}}, status=400)
+        return web.Response(text=sse, content_type="text/event-stream")
 
-    async def go() -> tuple:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            ok = await send_request(client, "http://x/v1/completions", {}, 5, {})
-            bad = await send_request(client, "http://x/fail", {}, 5, {})
+    async def go(base: str) -> tuple:
+        async with client_session(30.0, api_key="k") as session:
+            ok = await send_request(session, f"{base}/v1/completions", {"n": 1}, 5, {})
+            bad = await send_request(session, f"{base}/fail", {}, 5, {})
         return ok, bad
 
-    ok, bad = asyncio.run(go())
+    ok, bad = asyncio.run(_serve_once(handler, go))
     assert ok.success and ok.output_tokens == 3 and ok.prompt_len == 7 and len(ok.chunk_times) == 2
     assert ok.start <= ok.chunk_times[0] <= ok.end
-    assert not bad.success and bad.error.startswith("HTTP 400")
+    assert not bad.success and bad.error.startswith("HTTP 400") and "bad" in bad.error
+    assert seen[0] == {"body": {"n": 1}, "auth": "Bearer k"}
 
 
-def test_send_request_reads_the_stream_to_its_end() -> None:
-    """After [DONE] the client drains the body (an unread response closes its connection, so every
-    request would open a new one) and parses nothing more."""
+def test_send_request_reads_the_stream_to_its_end_in_any_pieces() -> None:
+    """Lines split across network writes (and one longer than aiohttp's line limit) are put back
+    together; after [DONE] the client drains the body (an unread response closes its connection,
+    so every request would open a new one) and parses nothing more."""
     import asyncio
 
-    import httpx
+    from aiohttp import web
 
-    from phalanx.bench.serve import send_request
+    from phalanx.bench.serve import client_session, send_request
 
+    long_text = "x" * 300_000
     drained = []
+    client_ports = []
 
-    class Body(httpx.AsyncByteStream):
-        async def __aiter__(self):  # noqa: ANN204
-            yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
-            yield b"data: [DONE]\n\n"
-            yield b"data: {not json after the end\n\n"
-            drained.append(True)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        client_ports.append(request.transport.get_extra_info("peername")[1])
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        whole = (f'data: {{"choices": [{{"index": 0, "text": "{long_text}"}}]}}\n\n'
+                 'data: {"choices": [{"index": 0, "text": "b"}]}\n\n').encode()
+        for i in range(0, len(whole), 7001):
+            await response.write(whole[i:i + 7001])
+            await asyncio.sleep(0)
+        await response.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.05)  # the client has read [DONE] before the rest comes
+        await response.write(b"data: {not json after the end\n\n")
+        drained.append(True)
+        await response.write_eof()
+        return response
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+    async def go(base: str):  # noqa: ANN202
+        async with client_session(30.0) as session:
+            first = await send_request(session, f"{base}/v1/completions", {}, 5, {})
+            second = await send_request(session, f"{base}/v1/completions", {}, 5, {})
+            return first, second
 
-    async def go():  # noqa: ANN202
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await send_request(client, "http://x/v1/completions", {}, 5, {})
-
-    result = asyncio.run(go())
-    assert result.success and not result.error and result.output_tokens == 1 and drained == [True]
+    for result in asyncio.run(_serve_once(handler, go)):
+        assert result.success and not result.error and result.output_tokens == 2 and len(result.chunk_times) == 2
+    assert drained == [True, True]
+    assert client_ports[0] == client_ports[1]  # the second request reused the first's connection

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -384,6 +385,7 @@ def main() -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": args.model, "spec": spec, "ks": ks, "max_tokens": args.max_tokens,
                 "concurrency": args.concurrency, "cpu": _cpu_name(), "command": " ".join(sys.argv),
+                "client": f"aiohttp {aiohttp.__version__}",
                 "servers": {m: mode_server(m, args.separate_servers) for m in modes}}  # fmt: skip
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
     if args.plot:

@@ -118,14 +118,14 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 async def send_request(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int, headers: dict[str, str]
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int, headers: dict[str, str]
 ) -> RequestResult:
     """Stream one request; never raises (failures are recorded in the result)."""
     result = RequestResult(prompt_len=prompt_len, start=time.perf_counter())
     usage_tokens: int | None = None
     num_chunks = 0
     try:
-        async with session.post(url, json=body, headers=headers) as response:
+        async with client.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {text[:200]}"
@@ -163,9 +163,9 @@ async def send_request(
     return result
 
 
-async def read_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float] | None:
+async def read_metrics(client: aiohttp.ClientSession, base: str) -> dict[str, float] | None:
     try:
-        async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+        async with client.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
             return parse_prometheus(await r.text()) if r.status == 200 else None
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
@@ -232,6 +232,7 @@ async def run_benchmark(args: argparse.Namespace, prompts: list[BenchPrompt]) ->
     out: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "label": args.label,
+        "client": f"aiohttp {aiohttp.__version__}",
         "config": {
             k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
             for k, v in vars(args).items()

@@ -8,7 +8,10 @@ Per log: tokens per second over all steps (steps' own time, without idle gaps), 
 of requests in the step (prompt-chunk steps apart), then the steps of exactly `--reqs` requests
 decoding (no prompt rows) grouped by (draft rows verified, drafter passes): mean step, forward and
 drafter milliseconds and tokens per step. The same batch shape taking different time under two
-configurations, or a shape that costs more than its rows suggest, shows here first.
+configurations, or a shape that costs more than its rows suggest, shows here first. With the
+adaptive policy, last, how it decided (`decision`: static, fresh, reused, explore, wide) and how
+many of the steps that verified drafts each kind of decision gave their drafts (a decision is
+taken in one step's scheduling, its drafts verified in the next step).
 """
 
 from __future__ import annotations
@@ -58,6 +61,17 @@ def summarise(path: Path, reqs: int, skip: int) -> str:
             dft = 1e3 * sum(s["drafter"] for s in group) / n
             out.append(f"    ({drafts:3d}, {passes}): {n:5d} {step:6.1f} {fwd:6.1f} {dft:5.1f} "
                        f"{sum(s['tokens'] for s in group) / n:6.2f}")
+    decisions: dict[str, int] = defaultdict(int)
+    drafting: dict[str, int] = defaultdict(int)
+    for s, after in zip(steps, steps[1:] + [None]):
+        kind = s.get("decision")
+        if kind:
+            decisions[kind] += 1
+            if after is not None and after["drafts"]:
+                drafting[kind] += 1
+    if decisions:
+        out.append("  adaptive decisions: " + ", ".join(f"{k} {n}" for k, n in sorted(decisions.items()))
+                   + "; of them gave the next step drafts: " + ", ".join(f"{k} {n}" for k, n in sorted(drafting.items())))
     return "\n".join(out)
 
 

@@ -180,8 +180,12 @@ class EngineCore:
         fed and `drafter_pass_rows` those its later passes fed, `drafting` the requests it drafted
         for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
         the tokens the step emitted, `cpu` the engine thread's CPU seconds in it (below `t1 - t0`:
-        preempted). What tells where a step's time goes, per batch shape."""
+        preempted), `decision` how the adaptive policy chose the lengths this step's scheduling gave
+        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy). What tells where a step's time goes, per batch shape."""
         assert self._step_log is not None
+        decision = ""
+        if self.adaptive is not None:  # a step that chose nothing records nothing
+            decision, self.adaptive.last_decision = self.adaptive.last_decision, ""
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "cpu": time.thread_time() - cpu0,
             "rows": sched.total_num_scheduled_tokens,
@@ -192,6 +196,7 @@ class EngineCore:
             "forward": self.runner.forward_seconds - forward_before,
             "drafter": self.runner.drafter_seconds - drafter_before,
             "tokens": emitted,
+            "decision": decision,
         }) + "\n")
 
     def _observe_step(self, t0: float, cpu0: float, step: dict) -> None:

@@ -65,6 +65,17 @@ WIDE_EXPLORE_MARGIN = 0.8
 # on ~4 ms steps, where every one drafted k; at 4 requests, standing for this many decisions, one
 # in four steps, 28 us a step of the ~1.55 ms, against 21 us until the exploration).
 REUSE_DECISIONS = 4
+# A decision to draft every cap stands until the next exploration (above) only where the model
+# predicts it to beat drafting nothing by at least this share of tokens per second; a closer one
+# is kept for REUSE_DECISIONS decisions, as any other. Standing for up to EXPLORE_EVERY decisions,
+# with new requests given their caps, a marginal decision is as costly as it is wrong: on the
+# demo's mixed workload at 4 requests (served, half of them code-like prompts whose drafts the
+# head accepts ~0.4 of the time), 9 fresh decisions to draft 3 for the one or two requests that
+# might stood for 132 more steps, each ~1.8x a step without drafts, and that round ran 0.92 of
+# the same server with every request opted out, where rounds without them ran 0.98-0.99.
+# Where drafting every cap wins clearly (the demo's chat, 1.3-1.8x plain decoding) it still
+# stands, and saves the fresh decisions it was made for.
+CORNER_CLEAR_GAIN = 0.15
 # Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
 # prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
@@ -918,6 +929,7 @@ class Decision(NamedTuple):
     lengths: list[int]  # theirs
     at: int  # the decision count it was taken at
     grid: int  # the step-cost fit's grid point of the base rows (`StepCostModel.grid_point`)
+    clear: bool = True  # drafting every cap: predicted to beat drafting nothing by CORNER_CLEAR_GAIN
 
 
 class AdaptiveDrafting:
@@ -939,6 +951,9 @@ class AdaptiveDrafting:
         self._last: Decision | None = None  # the last fresh decision
         self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing
         self._quiet_rows = 0  # the fewest base rows among those decisions
+        # How the last `choose` decided (the step log records it): "static" (every cap, too little
+        # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap).
+        self.last_decision = ""
 
     def parks(self, load: int) -> bool:
         """Whether requests that may draft and arrive now, `load` requests in the engine with them,
@@ -966,9 +981,11 @@ class AdaptiveDrafting:
         cap (`REUSE_DECISIONS`)."""
         top = max(caps, default=0)
         if not req_ids or top == 0:
+            self.last_decision = ""
             return list(caps)
         if self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows):
             self._quiet_from = None  # drafting every cap
+            self.last_decision = "static"
             return list(caps)
         if top > self.k:
             caps = [min(c, self.k) for c in caps]
@@ -978,7 +995,9 @@ class AdaptiveDrafting:
         self._decisions += 1
         reused = self._reuse(key, caps, own_caps, grid)
         if reused is not None:
+            self.last_decision = "reused"
             return reused
+        self.last_decision = "fresh"
         step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
         request_cost = self.costs.request_cost(base_rows)
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
@@ -991,7 +1010,11 @@ class AdaptiveDrafting:
             rates = self.acceptance.rates(req_ids, caps)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
                                            pass_cost, first_cost, DRAFT_MIN_GAIN, request_cost).tolist()
-        self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid)
+        clear = True
+        if any(lengths) and lengths == caps:  # the corner stands for long only where it wins clearly
+            clear = (step_rate(rates, lengths, step_cost, pass_cost, first_cost, request_cost=request_cost)
+                     >= (1.0 + CORNER_CLEAR_GAIN) * step_rate(rates, [0] * len(caps), step_cost, pass_cost))
+        self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid, clear)
         if any(lengths):
             self._quiet_from = None
         elif self._quiet_from is None:
@@ -1004,6 +1027,7 @@ class AdaptiveDrafting:
             deep = step_rate(rates, caps, step_cost, pass_cost, first_cost, catch_up, request_cost)
             if deep >= WIDE_EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost,
                                                        request_cost=request_cost):
+                self.last_decision = "wide"
                 return list(caps)
         if self._decisions % EXPLORE_EVERY == 0:
             explored = list(lengths)
@@ -1017,6 +1041,7 @@ class AdaptiveDrafting:
                     or step_rate(rates, explored, step_cost, pass_cost, first_cost, catch_up, request_cost)
                     >= EXPLORE_MARGIN * step_rate(rates, lengths, step_cost, pass_cost, first_cost,
                                                   request_cost=request_cost)):
+                self.last_decision = "explore"
                 return explored
         return lengths
 
@@ -1035,7 +1060,7 @@ class AdaptiveDrafting:
         age = self._decisions - last.at
         if not any(last.lengths):
             return [0] * len(caps) if age < EXPLORE_EVERY and last.grid == grid else None
-        if last.lengths == last.caps:
+        if last.lengths == last.caps and last.clear:
             if age >= EXPLORE_EVERY or last.grid != grid:
                 return None
             if own_caps == last.caps and key[0] == last.key[0]:  # the same requests (the common case)

@@ -587,5 +587,19 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
         assert s["rows"] >= s["reqs"] + s["drafts"] > 0 and s["cpu"] > 0
     text = summarise(tmp_path / f"steps.{os.getpid()}", reqs=3, skip=0)
     assert f"{len(lines)} steps" in text and "36 tokens" in text and "3 requests decoding" in text
+    assert {s["decision"] for s in lines} == {""}  # a static engine makes no choice
+    # An adaptive engine records how it chose each step's lengths: every cap until MIN_DRAFTING_STEPS
+    # steps ran the drafter ("static"), then its own decisions.
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path / "adaptive"))
+    llm = LLM(str(models["agreeing_target"]), dtype="float32", speculative_config={
+        "model": str(models["agreeing_head"]), "num_speculative_tokens": K, "adaptive": True})
+    llm.generate(_prompts(3, seed=2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    decisions = [json.loads(s)["decision"] for s in (tmp_path / f"adaptive.{os.getpid()}").read_text().splitlines()]
+    chosen = [d for d in decisions if d]
+    assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide"}
+    first_own = next(i for i, d in enumerate(chosen) if d != "static")  # (a step's timing reaches the policy a step late)
+    assert MIN_DRAFTING_STEPS <= first_own <= MIN_DRAFTING_STEPS + 1 and "static" not in chosen[first_own:]
+    text = summarise(tmp_path / f"adaptive.{os.getpid()}", reqs=3, skip=0)
+    assert "adaptive decisions: " in text and f"static {first_own}" in text
     monkeypatch.delenv(STEP_LOG_ENV)
     assert LLM(str(models["target"]), dtype="float32").engine._step_log is None

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+import phalanx.spec_decode.adaptive as adaptive_module
 from phalanx.spec_decode.adaptive import (
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
@@ -785,6 +786,37 @@ def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size(
     assert policy._last is not None and policy._last.lengths == [3, 0]
     assert policy.choose(["a", "b"], [3, 3], base_rows=8)  # another size: afresh
     assert policy._last is not None and policy._last.key[1] == 8
+
+
+def test_a_marginal_decision_to_draft_every_cap_is_kept_as_briefly_as_any_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request at its cap, but predicted to beat drafting nothing by less than
+    CORNER_CLEAR_GAIN: it does not stand for a changed batch (a new request is decided afresh, not
+    given its cap), and for the same batch only REUSE_DECISIONS decisions; a clear one stands."""
+    clear = _policy_with_costs()
+    for _ in range(60):
+        for r in "ab":
+            clear.observe_verification(r, 1, 1)  # always accepted: drafting wins clearly
+    assert clear.choose(["a"], [1], base_rows=2) == [1] and clear._last is not None and clear._last.clear
+    at = clear._last.at
+    assert clear.choose(["a", "b"], [1, 1], base_rows=2) == [1, 1] and clear._last.at == at  # "b" at its cap
+    # The same acceptance with a bar no gain reaches: every decision to draft is marginal.
+    monkeypatch.setattr(adaptive_module, "CORNER_CLEAR_GAIN", 100.0)
+    policy = _policy_with_costs()
+    for _ in range(60):
+        for r in "ab":
+            policy.observe_verification(r, 1, 1)
+    assert policy.choose(["a"], [1], base_rows=2) == [1] and policy._last is not None and not policy._last.clear
+    at = policy._last.at
+    assert policy.choose(["a", "b"], [1, 1], base_rows=2) == [1, 1]  # "b" new to the decision: afresh
+    assert policy._last.at > at and policy._last.key[0] == ("a", "b")
+    at, kept = policy._last.at, 0
+    while True:
+        policy.choose(["a", "b"], [1, 1], base_rows=2)
+        if policy._last.at != at:
+            break
+        kept += 1
+    assert kept == REUSE_DECISIONS - 1
 
 
 def test_a_decision_to_draft_nothing_stands_until_the_next_exploration() -> None:

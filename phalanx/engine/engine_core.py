@@ -181,7 +181,8 @@ class EngineCore:
         for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
         the tokens the step emitted, `cpu` the engine thread's CPU seconds in it (below `t1 - t0`:
         preempted), `decision` how the adaptive policy chose the lengths this step's scheduling gave
-        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy). What tells where a step's time goes, per batch shape."""
+        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy). What
+        tells where a step's time goes, per batch shape."""
         assert self._step_log is not None
         decision = ""
         if self.adaptive is not None:  # a step that chose nothing records nothing

@@ -150,8 +150,8 @@ async def prime_level(base: str, model: str, items: list[tuple[str, bool]], conc
         await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in dict.fromkeys(items))), timeout_s)
 
 
-async def metrics_text(client: Any, base: str) -> str:
-    """The server's /metrics page (`client`: an aiohttp session)."""
+async def metrics_text(client: aiohttp.ClientSession, base: str) -> str:
+    """The server's /metrics page."""
     async with client.get(f"{base}/metrics") as r:
         r.raise_for_status()
         return await r.text()

@@ -445,6 +445,14 @@ class StepCostModel:
         # rows are priced as rows of their own sequences).
         self._saving: tuple[np.ndarray, np.ndarray] | None = None
         self._group = 1
+        # What drafting cost near each grid point when steps there last showed it: (the
+        # verification's fixed cost, a later pass, a drafting request) from the last fit with some
+        # step near it that verified drafts, standing for those three in a fit with none: only
+        # drafting steps tell them, and a window without any priced drafting at its rows alone. Served, the demo at 4 requests (mixed
+        # workload) after ~1,200 steps of no drafts: a step drafting for one or two requests was
+        # priced ~0.1 ms above one without where it took ~0.5-0.7 ms more, and the policy drafted
+        # for ~0.3 s, until its own steps told it otherwise (~5 % of such a round).
+        self._drafting_memory: dict[int, tuple[float, float, float]] = {}
 
     def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float],
                     grouped_rows: list[int] | None = None, grouped_seconds: list[float] | None = None,
@@ -613,8 +621,13 @@ class StepCostModel:
         if total > 0:
             wd = wd / total
             share = float(wd @ wd)  # 1 / effective number of pairs: each prior counts as one pair
+        # No step near here verified drafts: what drafting cost when steps near here last showed it
+        # (`_drafting_memory`) stands for the parts only drafting steps tell.
+        j = self.grid_point(base_rows)
+        memory = self._drafting_memory.get(j) if not mv > 0 else None
+        verify_prior = memory[0] if memory is not None else 0.0
         drafter_row, first_cost, pass_cost, drafter_fixed, catch_up_row, request_cost = self._fit_drafter(
-            w, wd, recency)
+            w, wd, recency, memory)
         if self.feeds_every_row:  # the first pass runs every step, drafts or none: part of every step
             drafter_fixed, first_cost = drafter_fixed + first_cost, 0.0
         # The drafter feeds a prompt row (always) and a draft row (a drafting request's), not a decode
@@ -635,12 +648,14 @@ class StepCostModel:
             shape = self.shape(x, lg, dr_rows)  # [window]
             scale = float(w @ f) / max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
             rest = t - f
-            rest_row = verify_cost = 0.0
+            rest_row, verify_cost = 0.0, verify_prior
             if total > 0:
                 dl, dr = lg - np.roll(lg, 1), rest - np.roll(rest, 1)
                 dz = np.stack([dl, dv])  # [2, window]
                 gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
-                rest_row, verify_cost = np.maximum(np.linalg.solve(gram, (dz * wd) @ dr), 0.0).tolist()
+                rhs = (dz * wd) @ dr + np.array([0.0, share * self.verify_ridge * verify_prior])
+                rest_row, verify_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
+            self._remember(j, mv, verify_cost, pass_cost, request_cost)
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
             return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row),
                            float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
@@ -659,7 +674,7 @@ class StepCostModel:
             tie = np.array([[ls * ls, -ls, 0.0], [-ls, 1.0, 0.0], [0.0, 0.0, 0.0]])  # (extra - ls * row)^2
             row_ridge = share * self.row_ridge
             gram = (dr * wd) @ dr.T + np.diag([row_ridge, 0.0, share * self.verify_ridge]) + row_ridge * tie
-            rhs = (dr * wd) @ dt + np.array([row_ridge * row_prior, 0.0, 0.0])
+            rhs = (dr * wd) @ dt + np.array([row_ridge * row_prior, 0.0, share * self.verify_ridge * verify_prior])
             target_row, logit_extra, verify_cost = np.linalg.solve(gram, rhs).tolist()
             # Each clipped as a whole (where every row computes logits the two row terms split one
             # slope between them, either part possibly below zero).
@@ -668,12 +683,20 @@ class StepCostModel:
         else:
             logit_row = row_prior
             target_row = row_prior / (1.0 + self.logit_share)
-            verify_cost = 0.0
+            verify_cost = verify_prior
+        self._remember(j, mv, verify_cost, pass_cost, request_cost)
         fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
         return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
                        float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost)
 
-    def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray
+    def _remember(self, j: int, verified: float, verify_cost: float, pass_cost: float, request_cost: float) -> None:
+        """Keep what drafting cost near grid point `j` where some step near it verified drafts
+        (`verified`: their weighted share) for the fits there that have none (`_drafting_memory`)."""
+        if verified > 0:
+            self._drafting_memory[j] = (verify_cost, pass_cost, request_cost)
+
+    def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray,
+                     memory: tuple[float, float, float] | None = None
                      ) -> tuple[float, float, float, float, float, float]:
         """The drafter's part of the local fit (`w`: the steps' weights, `wd`: the step-to-step
         pairs', `recency`: the steps' recency alone): (seconds a position fed, its first pass, each
@@ -718,6 +741,8 @@ class StepCostModel:
         drafter_row = max(md - idle_cost, 0.0) / (mf + PRIOR_FIXED_ROWS * mu) if mf + mu > 0 else 0.0
         first_cost = pass_cost = drafter_row * PRIOR_FIXED_ROWS * mu / (mu + mq) if mu + mq > 0 else 0.0
         request = 0.0
+        if memory is not None:  # no drafts verified near here: what they cost when last seen (`fit`)
+            pass_cost, request = memory[1], memory[2]
         total = wd.sum()
         if total > 0:
             wd = wd / total
@@ -726,7 +751,7 @@ class StepCostModel:
                                                self.pass_ridge])
             dz = np.stack([fed - np.roll(fed, 1), u - np.roll(u, 1), q - np.roll(q, 1), r - np.roll(r, 1)])  # [4, window]
             gram = (dz * wd) @ dz.T + np.diag(ridge)
-            rhs = (dz * wd) @ (d - np.roll(d, 1)) + ridge * np.array([drafter_row, first_cost, pass_cost, 0.0])
+            rhs = (dz * wd) @ (d - np.roll(d, 1)) + ridge * np.array([drafter_row, first_cost, pass_cost, request])
             drafter_row, first_cost, pass_cost, request = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
         drafter_fixed = md - drafter_row * mf - first_cost * mu - pass_cost * mq - request * mr
         if drafter_fixed < 0.0:

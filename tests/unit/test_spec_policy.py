@@ -368,6 +368,40 @@ def test_a_drafting_request_is_priced_at_what_the_drafter_spends_on_it() -> None
     assert costs.request_cost(16) == fit.request_cost
 
 
+def test_what_drafting_cost_is_remembered_through_a_spell_without_drafts() -> None:
+    """Steps that verify drafts tell the verification's fixed cost, a later pass's and a drafting
+    request's. After more steps without drafts than the window holds, the fit still prices those
+    three as the drafting steps measured them, where a model that never saw drafting has its
+    priors (0); with drafting steps in the window again it fits them afresh."""
+    rng = np.random.default_rng(3)
+
+    def run(costs: StepCostModel, steps: int, draft: bool) -> None:
+        drafted = 0
+        for _ in range(steps):
+            drafting = int(rng.integers(0, 5)) if draft else 0
+            drafter = (0.0002 + 0.00005 * drafting + 0.0001 * 2) if drafting else 0.0  # 3 passes
+            rows = 16 + 3 * drafted
+            target = 0.0015 + 0.00006 * rows + (0.0004 if drafted else 0.0) + rng.normal(0, 0.00002)
+            costs.observe(rows, target + drafter, drafter, 3 if drafting else 0, num_draft_rows=3 * drafted,
+                          drafter_rows=drafting, drafter_pass_rows=2 * drafting, drafting_reqs=drafting)
+            drafted = drafting
+
+    costs = StepCostModel()
+    run(costs, 512, draft=True)
+    seen = costs.fit(16)
+    assert seen.verify_cost == pytest.approx(0.0004, rel=0.25) and seen.pass_cost > 0.00005
+    run(costs, 600, draft=False)  # the window holds none of the drafting steps now
+    later = costs.fit(16)
+    assert (later.verify_cost, later.pass_cost, later.request_cost) == pytest.approx(
+        (seen.verify_cost, seen.pass_cost, seen.request_cost), rel=1e-9, abs=1e-9)
+    never = StepCostModel()
+    run(never, 600, draft=False)
+    fresh = never.fit(16)
+    assert fresh.verify_cost == 0.0 and fresh.request_cost == 0.0
+    run(costs, 512, draft=True)  # drafting again: fitted from its steps, not from the memory
+    assert costs.fit(16).verify_cost == pytest.approx(0.0004, rel=0.25)
+
+
 def test_in_lockstep_a_decode_row_costs_the_drafter_its_position() -> None:
     """Lockstep: the drafter feeds every request's positions every step (the vote sized its first
     pass), 6 us each, and 50 us a request it drafts for. A step without drafts is priced with its

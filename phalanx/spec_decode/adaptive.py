@@ -448,10 +448,11 @@ class StepCostModel:
         # What drafting cost near each grid point when steps there last showed it: (the
         # verification's fixed cost, a later pass, a drafting request) from the last fit with some
         # step near it that verified drafts, standing for those three in a fit with none: only
-        # drafting steps tell them, and a window without any priced drafting at its rows alone. Served, the demo at 4 requests (mixed
-        # workload) after ~1,200 steps of no drafts: a step drafting for one or two requests was
-        # priced ~0.1 ms above one without where it took ~0.5-0.7 ms more, and the policy drafted
-        # for ~0.3 s, until its own steps told it otherwise (~5 % of such a round).
+        # drafting steps tell them, and a window without any priced drafting at its rows alone.
+        # Served, the demo at 4 requests (mixed workload) after ~1,200 steps of no drafts: a step
+        # drafting for one or two requests was priced ~0.1 ms above one without where it took
+        # ~0.5-0.7 ms more, and the policy drafted for ~0.3 s, until its own steps told it
+        # otherwise (~5 % of such a round).
         self._drafting_memory: dict[int, tuple[float, float, float]] = {}
 
     def set_profile(self, rows: list[int], forward_seconds: list[float], head_seconds: list[float],

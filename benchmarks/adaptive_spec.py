@@ -113,7 +113,7 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
             body = chat_body(model, prompt, speculative, max_tokens, fields)
             body.update(stream=True, stream_options={"include_usage": True})
             async with semaphore:
-                return await send_request(client, url, body, 0, {})
+                return await send_request(client, url, body, 0)
 
         start = time.perf_counter()
         results = await asyncio.wait_for(asyncio.gather(*(one(p, s) for p, s in items)), timeout_s)

@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace, base: str, long_prompts: list[str]) -> d
                     "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
 
         for _ in range(2):  # warm-up
-            await send_request(client, url, body("Hello there, how are you?", 4), 0, {})
+            await send_request(client, url, body("Hello there, how are you?", 4), 0)
         probes: list[float] = []
         done = asyncio.Event()
 
@@ -90,13 +90,13 @@ async def run(args: argparse.Namespace, base: str, long_prompts: list[str]) -> d
         def send_long(content: str) -> asyncio.Task:
             if args.long_endpoint == "tokenize":
                 return asyncio.create_task(tokenize(content))
-            return asyncio.create_task(send_request(client, url, body(content, args.long_output), 0, {}))
+            return asyncio.create_task(send_request(client, url, body(content, args.long_output), 0))
 
         async def short(i: int) -> None:
             async with semaphore:
                 if i in long_at:
                     long_tasks.append(send_long(long_at[i]))
-                r = await send_request(client, url, body(f"Tell me a short story about the number {i}.", args.short_output), 0, {})
+                r = await send_request(client, url, body(f"Tell me a short story about the number {i}.", args.short_output), 0)
                 short_results.append(r)
 
         probe_task = asyncio.create_task(probe())

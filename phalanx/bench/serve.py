@@ -118,14 +118,15 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
 
 
 async def send_request(
-    client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int, headers: dict[str, str]
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_len: int
 ) -> RequestResult:
-    """Stream one request; never raises (failures are recorded in the result)."""
+    """Stream one request (headers, such as the API key, are the client's: `client_session`);
+    never raises (failures are recorded in the result)."""
     result = RequestResult(prompt_len=prompt_len, start=time.perf_counter())
     usage_tokens: int | None = None
     num_chunks = 0
     try:
-        async with client.post(url, json=body, headers=headers) as response:
+        async with client.post(url, json=body) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 result.error = f"HTTP {response.status}: {text[:200]}"
@@ -199,10 +200,9 @@ def build_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
 async def run_benchmark(args: argparse.Namespace, prompts: list[BenchPrompt]) -> dict[str, Any]:
     base = base_url_of(args.base_url)
     url = base + ENDPOINT_PATHS[args.endpoint]
-    headers: dict[str, str] = {}
     async with client_session(args.request_timeout, args.api_key) as client:
         for i in range(args.num_warmups):
-            warm = await send_request(client, url, request_body(args, prompts[i % len(prompts)]), 0, headers)
+            warm = await send_request(client, url, request_body(args, prompts[i % len(prompts)]), 0)
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         before = await read_metrics(client, base)
@@ -211,7 +211,7 @@ async def run_benchmark(args: argparse.Namespace, prompts: list[BenchPrompt]) ->
 
         async def one(prompt: BenchPrompt) -> RequestResult:
             async with semaphore:
-                r = await send_request(client, url, request_body(args, prompt), prompt.prompt_len, headers)
+                r = await send_request(client, url, request_body(args, prompt), prompt.prompt_len)
             bar.update(1)
             return r
 

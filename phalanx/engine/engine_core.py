@@ -133,8 +133,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _thread_time(self) -> float:
+        """The engine thread's CPU seconds (`time.thread_time`, a system call) where something reads
+        a step's CPU time (the adaptive policy, the step log); 0 elsewhere."""
+        return time.thread_time() if self.adaptive is not None or self._step_log is not None else 0.0
+
     def step(self) -> list[EngineCoreOutput]:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0, cpu0 = time.perf_counter(), self._thread_time()
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
@@ -228,7 +233,7 @@ class EngineCore:
         step when this rank has nothing, or nothing at all. Every rank calls this every iteration,
         idle or not (rule 6)."""
         assert self.group is not None
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        t0, cpu0 = time.perf_counter(), self._thread_time()
         sched = self.scheduler.schedule()
         k = self.num_speculative_tokens
         # Requests drafting at least 1, 2, .., k tokens: the drafter's passes are sized from these.

@@ -281,8 +281,8 @@ def test_send_request_parses_sse_usage_and_http_errors() -> None:
 
     async def go(base: str) -> tuple:
         async with client_session(30.0, api_key="k") as client:
-            ok = await send_request(client, f"{base}/v1/completions", {"n": 1}, 5, {})
-            bad = await send_request(client, f"{base}/fail", {}, 5, {})
+            ok = await send_request(client, f"{base}/v1/completions", {"n": 1}, 5)
+            bad = await send_request(client, f"{base}/fail", {}, 5)
         return ok, bad
 
     ok, bad = asyncio.run(_serve_once(handler, go))
@@ -324,8 +324,8 @@ def test_send_request_reads_the_stream_to_its_end_in_any_pieces() -> None:
 
     async def go(base: str):  # noqa: ANN202
         async with client_session(30.0) as client:
-            first = await send_request(client, f"{base}/v1/completions", {}, 5, {})
-            second = await send_request(client, f"{base}/v1/completions", {}, 5, {})
+            first = await send_request(client, f"{base}/v1/completions", {}, 5)
+            second = await send_request(client, f"{base}/v1/completions", {}, 5)
             return first, second
 
     for result in asyncio.run(_serve_once(handler, go)):

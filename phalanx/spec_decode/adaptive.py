@@ -108,7 +108,13 @@ PROBE_EVERY = 8
 # of the weights), so time jumps just past each multiple of 16 and most past each multiple of 32
 # (SmolLM2's forward: 15.1 / 17.6 / 19.7 ms at 32 / 33 / 48 rows); both sides of each such edge are
 # measured, or interpolating from 32 to 48 would price the 33rd row at ~0.3 ms instead of ~2.5.
-PROFILE_ROWS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
+# oneDNN's AVX512-BF16 path (no AMX) takes rows 6 at a time: SmolLM2's forward there took 13.6 /
+# 14.4 / 18.8 ms at 4 / 6 / 7 rows, and 23.8 / 28.9 at 12 / 13. Every batch up to 16 rows is
+# measured (the small batches where one draft more or less is the whole decision): interpolated
+# from 4 to 8 rows, 4 requests verifying one draft each for two of them (6 rows) were priced at
+# +3.2 ms where their forward took +0.9, and the policy drafted nothing where drafting one served
+# ~1.1x the tokens a second of drafting nothing (SmolLM2, the mixed workload at 4 requests).
+PROFILE_ROWS = (*range(1, 18), 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
 # The profile measures every grid point up to this many rows whatever it takes (decode batches of up
 # to 16 requests drafting 3 each); past it, once the profile has taken its time budget, it stops at
 # the next point where it may (`profile_may_stop_after`), and the curve beyond is extended (`_interp`:

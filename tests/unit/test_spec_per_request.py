@@ -39,6 +39,7 @@ from phalanx.spec_decode.adaptive import (
     MIN_DRAFTING_STEPS,
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
+    StepCostModel,
     profile_may_stop_after,
 )
 from phalanx.spec_decode.config import SpeculativeConfig
@@ -526,6 +527,26 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
                             _time_rows=lambda rows, blocks, context, group=1: (1.0 if rows == 49 else 0.01 * rows, 0.0))
     rows, fwd, *_ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
     assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
+
+
+def test_the_profile_prices_small_batches_on_the_gemms_own_row_blocks() -> None:
+    """oneDNN's AVX512-BF16 GEMM (no AMX) takes rows 6 at a time: a forward over 5 or 6 rows costs
+    what 4 does, the 7th row a whole block. The profile measures every small batch, so 4 requests
+    verifying one draft for two of them (6 rows) are priced at next to nothing and a third draft
+    (7 rows) at the block; interpolated from 4 to 8 rows both were priced at half a block each."""
+    block = 0.005
+
+    def time_rows(rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
+        return 0.010 + block * -(-rows // 6), 0.0001 * rows
+
+    runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
+    rows, fwd, head, *_ = ModelRunner.profile_step_curve(runner, 64, repeats=1)  # type: ignore[arg-type]
+    assert all(r in rows for r in range(1, 17))
+    costs = StepCostModel()
+    costs.set_profile(rows, fwd, head)
+    at = costs.shape(np.array([4.0, 6.0, 7.0]), np.array([4.0, 6.0, 7.0]))
+    assert at[1] - at[0] == pytest.approx(0.0002)  # two draft rows: their lm_head rows only
+    assert at[2] - at[1] == pytest.approx(block + 0.0001)  # the 7th row: a block
 
 
 def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[str, Path]) -> None:

@@ -109,7 +109,7 @@ PROBE_EVERY = 8
 # (SmolLM2's forward: 15.1 / 17.6 / 19.7 ms at 32 / 33 / 48 rows); both sides of each such edge are
 # measured, or interpolating from 32 to 48 would price the 33rd row at ~0.3 ms instead of ~2.5.
 # oneDNN's AVX512-BF16 path (no AMX) takes rows 6 at a time: SmolLM2's forward there took 13.6 /
-# 14.4 / 18.8 ms at 4 / 6 / 7 rows, and 23.8 / 28.9 at 12 / 13. Every batch up to 16 rows is
+# 14.4 / 18.8 ms at 4 / 6 / 7 rows, and 23.8 / 28.9 at 12 / 13. Every batch up to 17 rows is
 # measured (the small batches where one draft more or less is the whole decision): interpolated
 # from 4 to 8 rows, 4 requests verifying one draft each for two of them (6 rows) were priced at
 # +3.2 ms where their forward took +0.9, and the policy drafted nothing where drafting one served

@@ -533,7 +533,8 @@ def test_the_profile_prices_small_batches_on_the_gemms_own_row_blocks() -> None:
     """oneDNN's AVX512-BF16 GEMM (no AMX) takes rows 6 at a time: a forward over 5 or 6 rows costs
     what 4 does, the 7th row a whole block. The profile measures every small batch, so 4 requests
     verifying one draft for two of them (6 rows) are priced at next to nothing and a third draft
-    (7 rows) at the block; interpolated from 4 to 8 rows both were priced at half a block each."""
+    (7 rows) at the block; interpolated from 4 to 8 rows the two drafts were priced at half a block
+    and the third at a quarter."""
     block = 0.005
 
     def time_rows(rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:

@@ -662,11 +662,10 @@ class StepCostModel:
                 gram = (dz * wd) @ dz.T + np.diag([share * self.row_ridge, share * self.verify_ridge])
                 rhs = (dz * wd) @ dr + np.array([0.0, share * self.verify_ridge * verify_prior])
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
-            self._remember(j, mv, verify_cost, pass_cost, request_cost)
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
-            return StepFit(float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row),
-                           float(first_cost), float(pass_cost), float(verify_cost), max(scale, 0.0),
-                           catch_up_row, drafter_row, request_cost)
+            return self._remember(j, mv, StepFit(
+                float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row), float(first_cost),
+                float(pass_cost), float(verify_cost), max(scale, 0.0), catch_up_row, drafter_row, request_cost))
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
@@ -691,16 +690,18 @@ class StepCostModel:
             logit_row = row_prior
             target_row = row_prior / (1.0 + self.logit_share)
             verify_cost = verify_prior
-        self._remember(j, mv, verify_cost, pass_cost, request_cost)
         fixed = mt - target_row * (mx - ml) - logit_row * ml - verify_cost * mv + drafter_fixed
-        return StepFit(float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
-                       float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost)
+        return self._remember(j, mv, StepFit(
+            float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
+            float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost))
 
-    def _remember(self, j: int, verified: float, verify_cost: float, pass_cost: float, request_cost: float) -> None:
-        """Keep what drafting cost near grid point `j` where some step near it verified drafts
-        (`verified`: their weighted share) for the fits there that have none (`_drafting_memory`)."""
+    def _remember(self, j: int, verified: float, fit: StepFit) -> StepFit:
+        """`fit`, its drafting costs (verification, a later pass, a drafting request) kept for grid
+        point `j` where some step near it verified drafts (`verified`: their weighted share), for
+        the fits there that have none (`_drafting_memory`)."""
         if verified > 0:
-            self._drafting_memory[j] = (verify_cost, pass_cost, request_cost)
+            self._drafting_memory[j] = (fit.verify_cost, fit.pass_cost, fit.request_cost)
+        return fit
 
     def _fit_drafter(self, w: np.ndarray, wd: np.ndarray, recency: np.ndarray,
                      memory: tuple[float, float, float] | None = None

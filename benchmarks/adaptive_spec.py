@@ -127,6 +127,9 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
     summary["draft_lengths"] = {k: v - lengths_before.get(k, 0.0) for k, v in sorted(lengths_after.items())}
     parked = "phalanx:spec_decode_num_parked_requests_total"
     summary["parked"] = parsed[1].get(parked, 0.0) - parsed[0].get(parked, 0.0)
+    # perf_counter is CLOCK_MONOTONIC here as in the server: the span cuts a step log
+    # (``PHALANX_DEBUG_STEP_LOG``, `step_log.py --span`) to this run's steps
+    summary["span"] = [start, start + duration]
     return summary
 
 
@@ -246,12 +249,13 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
                     acc = (res["spec_decode"] or {}).get("mean_acceptance_length", float("nan"))
                     print(f"{mode:>9} {name:>6} c={c:<3} {res['output_throughput']:8.1f} tok/s  "
                           f"TPOT {res['tpot_ms'].get('mean', float('nan')):7.2f} ms  acc len {acc:.2f}  "
-                          f"failed {res['failed']}  lengths {res['draft_lengths']}  parked {res['parked']:.0f}",
-                          flush=True)
+                          f"failed {res['failed']}  lengths {res['draft_lengths']}  parked {res['parked']:.0f}  "
+                          f"span {res['span'][0]:.3f},{res['span'][1]:.3f}", flush=True)
             for mode in modes:
                 ordered = sorted(rounds[mode], key=lambda r: r["output_throughput"])
                 median = ordered[len(ordered) // 2]
                 median["rounds_output_throughput"] = [r["output_throughput"] for r in rounds[mode]]
+                median["rounds_span"] = [r["span"] for r in rounds[mode]]
                 results[mode][f"{name}/c{c}"] = median
     return results
 

@@ -2,7 +2,7 @@
 per step): where each engine's time went, by batch shape.
 
     PHALANX_DEBUG_STEP_LOG=/tmp/steps phalanx serve ...   # or benchmarks/adaptive_spec.py, offline LLM
-    python benchmarks/step_log.py /tmp/steps.* [--reqs 16] [--skip 4]
+    python benchmarks/step_log.py /tmp/steps.* [--reqs 16] [--skip 4] [--span START,END]
 
 Per log: tokens per second over all steps (steps' own time, without idle gaps), then by the number
 of requests in the step (prompt-chunk steps apart), then the steps of exactly `--reqs` requests
@@ -11,7 +11,8 @@ drafter milliseconds and tokens per step. The same batch shape taking different 
 configurations, or a shape that costs more than its rows suggest, shows here first. With the
 adaptive policy, last, how it decided (`decision`: static, fresh, reused, explore, wide) and how
 many of the steps that verified drafts each kind of decision gave their drafts (a decision is
-taken in one step's scheduling, its drafts verified in the next step).
+taken in one step's scheduling, its drafts verified in the next step). --span keeps one run's
+steps: `adaptive_spec.py` prints each run's span (the same clock) and records them per round.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ def _decoding(step: dict) -> bool:
     return step["rows"] == step["reqs"] + step["drafts"]
 
 
-def summarise(path: Path, reqs: int, skip: int) -> str:
+def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None = None) -> str:
     steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][skip:]
+    if span is not None:
+        steps = [s for s in steps if span[0] <= s["t0"] and s["t1"] <= span[1]]
     if not steps:
         return f"{path}: no steps"
     out = []
     total = sum(s["t1"] - s["t0"] for s in steps)
     tokens = sum(s["tokens"] for s in steps)
-    out.append(f"{path}: {len(steps)} steps, {total:.2f} s in steps, {tokens} tokens, {tokens / total:.1f} tok/s")
+    wall = steps[-1]["t1"] - steps[0]["t0"]
+    out.append(f"{path}: {len(steps)} steps, {total:.2f} s in steps ({wall:.2f} s from the first's start to the "
+               f"last's end), {tokens} tokens, {tokens / total:.1f} tok/s")
     by_size: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
     for s in steps:
         key = f"{s['reqs']:>3} reqs" if _decoding(s) else "prompt rows"
@@ -72,6 +77,17 @@ def summarise(path: Path, reqs: int, skip: int) -> str:
     if decisions:
         out.append("  adaptive decisions: " + ", ".join(f"{k} {n}" for k, n in sorted(decisions.items()))
                    + "; of them gave the next step drafts: " + ", ".join(f"{k} {n}" for k, n in sorted(drafting.items())))
+    predicted = [s["predicted"] for s in steps if s.get("predicted")]
+    if predicted:
+        out.append("  fresh decisions, predicted tokens/s against drafting nothing (chosen / none, every cap / "
+                   "none), by draft rows chosen: decisions, median ratios")
+        by_rows: dict[int, list[dict]] = defaultdict(list)
+        for pr in predicted:
+            by_rows[pr["draft_rows"]].append(pr)
+        for rows, group in sorted(by_rows.items()):
+            chosen = sorted(pr["chosen"] / pr["none"] for pr in group)
+            caps = sorted(pr["caps"] / pr["none"] for pr in group)
+            out.append(f"    {rows:3d} draft rows: {len(group):5d}  {chosen[len(chosen) // 2]:.3f}  {caps[len(caps) // 2]:.3f}")
     return "\n".join(out)
 
 
@@ -80,9 +96,13 @@ def main() -> int:
     p.add_argument("logs", nargs="+", type=Path)
     p.add_argument("--reqs", type=int, default=16, help="batch size whose decode steps are broken down by shape")
     p.add_argument("--skip", type=int, default=4, help="leading steps to leave out (the warm-up requests)")
+    p.add_argument("--span", default=None,
+                   help="START,END: only the steps within this perf_counter span (adaptive_spec.py prints "
+                        "each run's and records them as rounds_span)")
     args = p.parse_args()
+    span = tuple(float(x) for x in args.span.split(",")) if args.span else None
     for path in args.logs:
-        print(summarise(path, args.reqs, args.skip))
+        print(summarise(path, args.reqs, 0 if span else args.skip, span))
     return 0
 
 

@@ -89,6 +89,8 @@ class EngineCore:
         self.num_generation_tokens = 0
         path = os.environ.get(STEP_LOG_ENV)
         self._step_log: TextIO | None = open(f"{path}.{os.getpid()}", "a", buffering=1) if path else None  # noqa: SIM115
+        if self.adaptive is not None:
+            self.adaptive.explain = self._step_log is not None
 
     @property
     def max_model_len(self) -> int:
@@ -186,12 +188,15 @@ class EngineCore:
         for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
         the tokens the step emitted, `cpu` the engine thread's CPU seconds in it (below `t1 - t0`:
         preempted), `decision` how the adaptive policy chose the lengths this step's scheduling gave
-        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy). What
-        tells where a step's time goes, per batch shape."""
+        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy) and, for a
+        fresh decision, `predicted`: the tokens per second the cost model gave the lengths chosen,
+        drafting nothing and every cap (`AdaptiveDrafting.last_prediction`). What tells where a
+        step's time goes, per batch shape, and which term tipped a decision."""
         assert self._step_log is not None
-        decision = ""
+        decision, predicted = "", None
         if self.adaptive is not None:  # a step that chose nothing records nothing
             decision, self.adaptive.last_decision = self.adaptive.last_decision, ""
+            predicted, self.adaptive.last_prediction = self.adaptive.last_prediction, None
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "cpu": time.thread_time() - cpu0,
             "rows": sched.total_num_scheduled_tokens,
@@ -203,6 +208,7 @@ class EngineCore:
             "drafter": self.runner.drafter_seconds - drafter_before,
             "tokens": emitted,
             "decision": decision,
+            **({"predicted": predicted} if predicted is not None else {}),
         }) + "\n")
 
     def _observe_step(self, t0: float, cpu0: float, step: dict) -> None:

@@ -987,6 +987,11 @@ class AdaptiveDrafting:
         # How the last `choose` decided (the step log records it): "static" (every cap, too little
         # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap).
         self.last_decision = ""
+        # With `explain` (the engine's step log is on), a fresh decision also leaves what the model
+        # predicted in `last_prediction`: tokens per second of the lengths chosen, of drafting
+        # nothing and of every request at its cap, the base rows and the draft rows chosen.
+        self.explain = False
+        self.last_prediction: dict[str, float] | None = None
 
     def parks(self, load: int) -> bool:
         """Whether requests that may draft and arrive now, `load` requests in the engine with them,
@@ -1047,6 +1052,9 @@ class AdaptiveDrafting:
         if any(lengths) and lengths == caps:  # the corner stands for long only where it wins clearly
             clear = (step_rate(rates, lengths, step_cost, pass_cost, first_cost, request_cost=request_cost)
                      >= (1.0 + CORNER_CLEAR_GAIN) * step_rate(rates, [0] * len(caps), step_cost, pass_cost))
+        if self.explain:
+            self.last_prediction = self._predict(rates, lengths, caps, step_cost, pass_cost, first_cost,
+                                                 request_cost, base_rows)
         self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid, clear)
         if any(lengths):
             self._quiet_from = None
@@ -1077,6 +1085,16 @@ class AdaptiveDrafting:
                 self.last_decision = "explore"
                 return explored
         return lengths
+
+    @staticmethod
+    def _predict(rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int], step_cost: np.ndarray,
+                 pass_cost: float, first_cost: float, request_cost: float, base_rows: int) -> dict[str, float]:
+        """What the cost model predicts for a fresh decision (`explain`): tokens per second of the
+        lengths chosen, of drafting nothing and of every cap."""
+        def rate(d: list[int]) -> float:
+            return round(step_rate(rates, d, step_cost, pass_cost, first_cost, request_cost=request_cost), 2)
+        return {"chosen": rate(lengths), "none": rate([0] * len(caps)), "caps": rate(list(caps)),
+                "base_rows": base_rows, "draft_rows": sum(lengths)}
 
     def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], own_caps: list[int], grid: int
                ) -> list[int] | None:

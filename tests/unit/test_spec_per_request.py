@@ -35,6 +35,7 @@ from phalanx.engine.engine_core import STEP_LOG_ENV
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.spec_decode.adaptive import (
+    DRAFT_MIN_GAIN,
     EXPLORE_EVERY,
     MIN_DRAFTING_STEPS,
     PROFILE_MIN_ROWS,
@@ -616,12 +617,29 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     llm = LLM(str(models["agreeing_target"]), dtype="float32", speculative_config={
         "model": str(models["agreeing_head"]), "num_speculative_tokens": K, "adaptive": True})
     llm.generate(_prompts(3, seed=2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    decisions = [json.loads(s)["decision"] for s in (tmp_path / f"adaptive.{os.getpid()}").read_text().splitlines()]
+    steps = [json.loads(s) for s in (tmp_path / f"adaptive.{os.getpid()}").read_text().splitlines()]
+    decisions = [s["decision"] for s in steps]
     chosen = [d for d in decisions if d]
     assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide"}
     first_own = next(i for i, d in enumerate(chosen) if d != "static")  # (a step's timing reaches the policy a step late)
     assert MIN_DRAFTING_STEPS <= first_own <= MIN_DRAFTING_STEPS + 1 and "static" not in chosen[first_own:]
+    # Each fresh decision (explorations start from one) carries what the cost model predicted: the
+    # choice never below drafting nothing, nor below every cap by more than the margin drafting must
+    # clear (DRAFT_MIN_GAIN) and the search's own inexactness with per-request costs (policy module).
+    predicted = [(s["decision"], s["predicted"]) for s in steps if "predicted" in s]
+    assert predicted and len(predicted) == sum(d in ("fresh", "explore", "wide") for d in decisions)
+    for kind, pr in predicted:
+        assert kind in ("fresh", "explore", "wide") and pr["base_rows"] >= 1 and pr["draft_rows"] >= 0
+        assert pr["chosen"] >= pr["none"] - 0.01 and pr["chosen"] >= pr["caps"] / (1 + DRAFT_MIN_GAIN) / 1.05
+        if pr["draft_rows"]:  # drafting at all clears the margin over drafting nothing
+            assert pr["chosen"] >= pr["none"] * (1 + DRAFT_MIN_GAIN) - 0.01
+        else:
+            assert pr["chosen"] == pr["none"]
     text = summarise(tmp_path / f"adaptive.{os.getpid()}", reqs=3, skip=0)
-    assert "adaptive decisions: " in text and f"static {first_own}" in text
+    assert "adaptive decisions: " in text and f"static {first_own}" in text and "fresh decisions, predicted" in text
+    # --span keeps the steps within a perf_counter span (one benchmark run's)
+    mid = steps[len(steps) // 2]
+    text = summarise(tmp_path / f"adaptive.{os.getpid()}", reqs=3, skip=0, span=(mid["t0"], mid["t1"]))
+    assert text.startswith(f"{tmp_path / f'adaptive.{os.getpid()}'}: 1 steps")
     monkeypatch.delenv(STEP_LOG_ENV)
     assert LLM(str(models["target"]), dtype="float32").engine._step_log is None

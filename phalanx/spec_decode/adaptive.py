@@ -57,11 +57,11 @@ WIDE_EXPLORE_MARGIN = 0.8
 # on 600 steps of 32 requests each verifying one draft, verification 0.6 ms of ~5.2 ms: the step
 # without drafts priced at 4.12 ms where it takes 3.64; one step in 128 without drafts put it at
 # 3.41). Nothing else measures that alternative once the policy drafts: the other explorations
-# add drafts. The likely cause of a served miss: on the demo's chat at 32 requests (AVX512-BF16
-# without AMX) the policy once settled on one draft a request for a whole level, as k = 1 ran,
-# ~0.94 of plain decoding. Where drafting wins by more than the margin (chat at one request:
-# 1.7x) no such error could flip the choice, and the step it would cost (~0.3 % of tokens per
-# second) is not spent.
+# add drafts. Where drafting wins by more than the margin (chat at one request: 1.7x) no such
+# error could flip the choice, and the step it would cost (~0.3 % of tokens per second) is not
+# spent. (It does not cure the demo's chat at 32 requests on AVX512-BF16 without AMX, where the
+# policy drafts at ~0.9 of plain decoding: there the fit at 32 rows rests on the 128-row steps
+# of the drafting batch, beyond its cut; docs/speculation.md.)
 NARROW_EXPLORE_EVERY = 128
 NARROW_EXPLORE_MARGIN = 1.5
 # A batch that reaches its ends with the same requests that may draft (a cap above 0; those that

@@ -48,22 +48,6 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
-# Every this many decisions (at the 3/4 mark, an exploration's slot), where the policy chose to
-# draft and the model predicts that within NARROW_EXPLORE_MARGIN of drafting nothing's tokens per
-# second, the step drafts nothing instead: while every step near a batch size verifies drafts, the
-# step-cost fit cannot tell what verifying drafts at all costs from the step's own fixed part (it
-# reads it from the differences between steps that do and do not verify), so the cost of
-# verifying lands on every step and drafting nothing is priced too high by about that much (a fit
-# on 600 steps of 32 requests each verifying one draft, verification 0.6 ms of ~5.2 ms: the step
-# without drafts priced at 4.12 ms where it takes 3.64; one step in 128 without drafts put it at
-# 3.41). Nothing else measures that alternative once the policy drafts: the other explorations
-# add drafts. Where drafting wins by more than the margin (chat at one request: 1.7x) no such
-# error could flip the choice, and the step it would cost (~0.3 % of tokens per second) is not
-# spent. (It does not cure the demo's chat at 32 requests on AVX512-BF16 without AMX, where the
-# policy drafts at ~0.9 of plain decoding: there the fit at 32 rows rests on the 128-row steps
-# of the drafting batch, beyond its cut; docs/speculation.md.)
-NARROW_EXPLORE_EVERY = 128
-NARROW_EXPLORE_MARGIN = 1.5
 # A batch that reaches its ends with the same requests that may draft (a cap above 0; those that
 # may not come and go freely) and base rows as the last decision keeps that decision for up to
 # this many decisions in all (an exploration still comes when due): at one request the decision,
@@ -1001,8 +985,7 @@ class AdaptiveDrafting:
         self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing
         self._quiet_rows = 0  # the fewest base rows among those decisions
         # How the last `choose` decided (the step log records it): "static" (every cap, too little
-        # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap),
-        # "narrow" (no drafts where some were chosen).
+        # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap).
         self.last_decision = ""
         # With `explain` (the engine's step log is on), a fresh decision also leaves what the model
         # predicted in `last_prediction`: tokens per second of the lengths chosen, of drafting
@@ -1079,11 +1062,6 @@ class AdaptiveDrafting:
             self._quiet_from, self._quiet_rows = self._decisions, base_rows
         else:
             self._quiet_rows = min(self._quiet_rows, base_rows)
-        if (self._decisions % NARROW_EXPLORE_EVERY == NARROW_EXPLORE_EVERY * 3 // 4 and any(lengths)
-                and step_rate(rates, lengths, step_cost, pass_cost, first_cost, request_cost=request_cost)
-                < NARROW_EXPLORE_MARGIN * step_rate(rates, [0] * len(caps), step_cost, pass_cost)):
-            self.last_decision = "narrow"
-            return [0] * len(caps)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

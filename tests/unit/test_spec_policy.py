@@ -26,7 +26,6 @@ from phalanx.spec_decode.adaptive import (
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
     MIN_DRAFTING_STEPS,
-    NARROW_EXPLORE_EVERY,
     PARK_AFTER,
     PRIOR_FIXED_ROWS,
     PROFILE_ROWS,
@@ -999,27 +998,6 @@ def test_every_64th_decision_tries_every_cap_where_it_may_pay() -> None:
         assert all(c == usual for c in others)
 
 
-def test_the_policy_drafts_nothing_once_in_128_decisions_where_drafting_wins_narrowly() -> None:
-    """Acceptance 0.6 a position (the prior), a row 0.3 of a 1 s step, a pass 0.1: one draft is
-    best, 1.23 tokens/s against drafting nothing's 1.0, within NARROW_EXPLORE_MARGIN: the 96th of
-    every 128 decisions drafts nothing, measuring the step the others no longer show. With a row
-    of 0.01 (three drafts, 2.0 tokens/s: a clear win) it never does; nor where nothing is chosen."""
-    for row, usual, at_slot in ((0.3, [1], [0]), (0.01, [3], [3]), (1.0, [0], [0])):
-        policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
-        policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
-        policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
-        policy.costs.step_cost = lambda base, extra, logits=None, row=row: (  # type: ignore[method-assign]
-            [1.0 + row * m for m in range(extra + 1)], 0.0, 0.1)
-        chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(2 * NARROW_EXPLORE_EVERY)]
-        slots = [NARROW_EXPLORE_EVERY * 3 // 4 - 1, NARROW_EXPLORE_EVERY * 7 // 4 - 1]
-        assert [chosen[i] for i in slots] == [at_slot, at_slot]
-        kinds = {policy.choose(["a"], [3], base_rows=1) and policy.last_decision
-                 for _ in range(2 * NARROW_EXPLORE_EVERY)}
-        assert ("narrow" in kinds) is (usual != [0] and at_slot == [0])
-        others = [c for i, c in enumerate(chosen) if (i + 1) % EXPLORE_EVERY]
-        assert all(c == usual for c in others)
-
-
 def test_the_whole_batch_is_not_tried_where_its_catch_ups_make_it_too_dear() -> None:
     """As above (a row 0.3 of a 1 s step), two requests: "a" accepts every draft, "b" none, so the
     choice drafts for "a" alone and the caps (three rows for "b" besides) come within the margin.
@@ -1116,39 +1094,6 @@ def test_verifying_drafts_at_all_is_priced_apart_from_the_profiled_rows() -> Non
     fit = costs.fit(16)
     assert fit.verify_cost == pytest.approx(0.003, rel=0.1)
     assert fit.scale == pytest.approx(1.0, rel=0.02)
-
-
-def _none_priced(every: int) -> tuple[float, float]:
-    """(predicted, true) seconds of a step of 32 decode rows without drafts, after 600 steps of 32
-    requests each verifying one draft (a small model's step: a 1.6 ms forward at 32 rows as
-    profiled, 2 ms around it, 0.6 ms of verification, 1 ms of drafter; 5 % jitter), every
-    `every`-th of them without drafts (0: none)."""
-    rng = np.random.default_rng(0)
-    costs = StepCostModel(logit_share=0.2)
-    grid = [1, 2, 4, 8, 16, 32, 33, 48, 64, 65, 96, 128]
-    costs.set_profile(grid, [0.001 + 0.00002 * r for r in grid], [0.00001 * r for r in grid])
-    fixed, verify, drafter = 0.002, 0.0006, 0.001
-    for i in range(600):
-        drafts = 0 if every and i % every == 0 else 32
-        rows = 32 + drafts
-        forward = 0.001 + 0.00002 * rows
-        seconds = (forward + fixed + (verify + drafter if drafts else 0.0)) * (1 + 0.05 * rng.standard_normal())
-        costs.observe(rows, seconds, drafter if drafts else 0.0, 1 if drafts else 0, num_draft_rows=drafts,
-                      drafter_rows=rows if drafts else 0, forward_seconds=forward, drafting_reqs=32 if drafts else 0)
-    curve, _, _ = costs.step_cost(32, 32)
-    return curve[0], 0.001 + 0.00002 * 32 + fixed
-
-
-def test_a_step_without_drafts_is_priced_right_only_once_one_was_measured() -> None:
-    """Verifying drafts at all costs a fixed time, read from the differences between steps that do
-    and do not verify. Where every step near a batch size verifies, the fit cannot tell it from the
-    step's own fixed part: the step without drafts is priced with most of the verification in (of
-    its 0.6 ms, here 4.12 ms where it takes 3.64: enough to flip a marginal choice). One step in
-    128 without drafts (`NARROW_EXPLORE_EVERY`) prices it within half the verification's cost."""
-    predicted, true = _none_priced(0)
-    assert predicted - true > 0.0004
-    predicted, true = _none_priced(NARROW_EXPLORE_EVERY)
-    assert abs(predicted - true) < 0.0003
 
 
 def test_the_work_around_the_forward_is_not_scaled_with_it() -> None:

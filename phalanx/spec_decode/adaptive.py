@@ -1087,8 +1087,9 @@ class AdaptiveDrafting:
         return lengths
 
     @staticmethod
-    def _predict(rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int], step_cost: np.ndarray,
-                 pass_cost: float, first_cost: float, request_cost: float, base_rows: int) -> dict[str, float]:
+    def _predict(rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int],
+                 step_cost: np.ndarray | list[float], pass_cost: float, first_cost: float, request_cost: float,
+                 base_rows: int) -> dict[str, float]:
         """What the cost model predicts for a fresh decision (`explain`): tokens per second of the
         lengths chosen, of drafting nothing and of every cap."""
         def rate(d: list[int]) -> float:

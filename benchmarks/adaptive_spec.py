@@ -15,12 +15,19 @@ differ by 2-5 % in step time on a shared 2-core VM (an A/A run in one process: m
 as much as some differences measured here. `adaptive` and `dbs=N` each have their own server, and
 the adaptive server is also measured with every request opted out (`plain@adaptive`): what the
 adaptive server gains over plain decoding on the same engine, where drafting pays, and what it
-costs where nothing should draft. `--separate-servers` starts one server per mode instead (plain
-without a drafter loaded).
+costs where nothing should draft. Modes `k=1@adaptive`, `k=2@adaptive`, ... (given in --modes)
+run fixed k on the adaptive server too: every request carries `"speculative_adaptive": false`
+and `"num_speculative_tokens": j`, so it drafts j every step, out of the policy's hands. With them
+and plain@adaptive the whole comparison runs on one engine, free of the difference between two
+servers' engines (on a 2-core VM, plain decoding on two fresh servers of one build differed by up
+to ~15 % for a whole run); the policy still learns from their steps, as a server does from any
+traffic it serves. `--separate-servers` starts one server per mode instead (plain without a
+drafter loaded).
 
 It prints output tokens/s per mode and concurrency, mean TPOT, mean acceptance length and the
 draft lengths the adaptive server chose, then the ratios adaptive / max(plain, best fixed k),
-adaptive / best fixed k and adaptive / plain@adaptive, raw and paired by round. The mixed workload
+adaptive / best fixed k, adaptive / plain@adaptive and adaptive / the best of plain@adaptive
+and k=j@adaptive, raw and paired by round. The mixed workload
 (--mixed) sends, at the same concurrencies, half the requests with `"speculative": false` and half
 with code-like repetitive prompts (which a drafter accepts often). Writes everything to --json and
 a plot to --plot. Asserts nothing; run it on a quiet machine (the figures are ratios measured in
@@ -172,15 +179,29 @@ def draft_length_counts(text: str) -> dict[str, float]:
     return out
 
 
-PLAIN_AT_ADAPTIVE = "plain@adaptive"
+AT_ADAPTIVE = "@adaptive"
+PLAIN_AT_ADAPTIVE = "plain" + AT_ADAPTIVE
+
+
+def static_modes(modes: list[str]) -> list[str]:
+    """The fixed-k modes on the static server (or their own): k=1, k=2, ..."""
+    return [m for m in modes if m.startswith("k=") and not m.endswith(AT_ADAPTIVE)]
+
+
+def pinned_modes(modes: list[str]) -> list[str]:
+    """The fixed-k modes on the adaptive server (k=1@adaptive, ...: `speculative_adaptive: false`)."""
+    return [m for m in modes if m.startswith("k=") and m.endswith(AT_ADAPTIVE)]
 
 
 def mode_server(mode: str, separate: bool) -> tuple[str, dict[str, Any]]:
     """(server, extension fields of its requests) of a mode: plain decoding and fixed k on the one
-    static server (opted out, or capped at k), plain@adaptive on the adaptive server, opted out;
-    with `separate`, every mode on its own server (plain@adaptive still on the adaptive one)."""
+    static server (opted out, or capped at k), plain@adaptive on the adaptive server, opted out,
+    k=j@adaptive there too, drafting j every step; with `separate`, every mode on its own server
+    (the @adaptive ones still on the adaptive one)."""
     if mode == PLAIN_AT_ADAPTIVE:
         return "adaptive", {"speculative": False}
+    if mode.startswith("k=") and mode.endswith(AT_ADAPTIVE):  # drafting k every step, out of the policy's hands
+        return "adaptive", {"num_speculative_tokens": int(mode[2:-len(AT_ADAPTIVE)]), "speculative_adaptive": False}
     if separate or mode == "adaptive" or mode.startswith("dbs="):
         return mode, {}
     if mode == "plain":
@@ -265,12 +286,14 @@ def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name:
     in the same round (one round takes a minute or two, over which this kind of shared machine
     drifts by ~10 %: a ratio within a round cancels most of that), the median over the rounds; with
     plain@adaptive, adaptive against plain decoding on its own server too, paired likewise."""
-    fixed = [m for m in modes if m.startswith("k=")]
+    fixed, pinned = static_modes(modes), pinned_modes(modes)
     columns = ["adaptive / max(plain, best k)", "adaptive / best k", "paired: adaptive / max(plain, best k)",
                "paired: adaptive / best k"]
     same_server = PLAIN_AT_ADAPTIVE in modes
     if same_server:
         columns.append("paired: adaptive / plain@adaptive")
+    if pinned:
+        columns.append("paired: adaptive / max(plain@adaptive, best k@adaptive)")
     head = "| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | " + " | ".join(columns) + " |"
     lines = [head, "|" + "---|" * (len(modes) + len(columns) + 1)]
     for c in levels:
@@ -282,6 +305,9 @@ def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name:
         figures = [*_ratios(tput, fixed), *(_median([p[j] for p in paired]) for j in (0, 1))]
         if same_server:
             figures.append(_median([r["adaptive"] / r[PLAIN_AT_ADAPTIVE] for r in rounds]))
+        if pinned:
+            figures.append(_median([r["adaptive"] / max(r[m] for m in [*pinned, PLAIN_AT_ADAPTIVE] if m in r)
+                                    for r in rounds]))
         lines.append(f"| {c} | " + " | ".join(f"{tput[m]:.1f}" for m in modes)
                      + "".join(f" | {x:.3f}" for x in figures) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -355,8 +381,9 @@ def main() -> int:
     modes = args.modes.split(",") if args.modes else ["plain", *(f"k={k}" for k in ks), "adaptive", PLAIN_AT_ADAPTIVE]
     if args.dbs is not None:
         modes.insert(modes.index("adaptive") if "adaptive" in modes else len(modes), f"dbs={args.dbs}")
-    if PLAIN_AT_ADAPTIVE in modes and "adaptive" not in modes:
-        p.error(f"mode {PLAIN_AT_ADAPTIVE} needs mode adaptive")
+    for m in [PLAIN_AT_ADAPTIVE, *pinned_modes(modes)]:
+        if m in modes and "adaptive" not in modes:
+            p.error(f"mode {m} needs mode adaptive")
     spec = json.loads(args.spec)
     if "num_speculative_tokens" in spec or "adaptive" in spec:
         p.error("--spec must leave out num_speculative_tokens and adaptive (the script sets them per mode)")

@@ -73,6 +73,9 @@ class Request:
     # The most drafts a step its own parameters allow from the engine's k (0: opted out); set by
     # the scheduler when the request arrives.
     own_draft_cap: int = 0
+    # Drafts own_draft_cap every step whatever the adaptive policy chooses for the others
+    # (`SamplingParams.speculative_adaptive=False`); never parked.
+    pinned: bool = False
     # Parked by the adaptive policy when it arrived (``spec_decode.adaptive.PARK_AFTER``): it runs as
     # opted out (own_draft_cap 0) for its whole life.
     parked: bool = False

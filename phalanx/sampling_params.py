@@ -43,6 +43,23 @@ def speculation_error(requested: int | None, engine_k: int) -> str | None:
     )
 
 
+def speculative_adaptive_error(requested: bool | None, engine_k: int, engine_adaptive: bool) -> str | None:
+    """Why a request's `speculative_adaptive` does not fit the engine (None: it fits): true needs
+    an engine whose speculative config has "adaptive": true; false (draft the cap every step) an
+    engine with speculative decoding. One message for the offline API and the server's 400."""
+    if requested is None or (requested and engine_adaptive) or (not requested and engine_k > 0):
+        return None
+    if engine_k == 0:
+        return (
+            f"speculative_adaptive must be unset here: this engine runs without speculative decoding "
+            f"(no speculative config), got {requested}"
+        )
+    return (
+        "speculative_adaptive must be false or unset here: this engine's speculative config has no "
+        '"adaptive": true (every request drafts its cap every step), got True'
+    )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s). Validated in ``__post_init__``.
@@ -76,9 +93,14 @@ class SamplingParams:
     # Speculative decoding for this request (phalanx's extension; other requests in its batch are
     # not affected): False opts it out (it never gets drafts); `num_speculative_tokens` caps its
     # draft length at j (0 <= j <= the engine's k; None: up to k). The engine checks j against its
-    # k (`check_speculation`). Outputs are the same either way: only the speed changes.
+    # k (`check_speculation`). On an engine whose speculative config is adaptive,
+    # `speculative_adaptive=False` takes the request out of the policy's hands: it drafts its cap
+    # every step and is never parked (a request whose latency matters more than the batch's
+    # throughput); None or True leave it to the policy. Outputs are the same either way: only the
+    # speed changes.
     speculative: bool = True
     num_speculative_tokens: int | None = None
+    speculative_adaptive: bool | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_str_list(self.stop, "stop")  # type: ignore[arg-type]
@@ -135,6 +157,13 @@ class SamplingParams:
                 f"num_speculative_tokens={j} contradicts speculative=False (which means no drafts); "
                 "give one or the other"
             )
+        if self.speculative_adaptive is not None and not isinstance(self.speculative_adaptive, bool):
+            raise bad("speculative_adaptive", "None, true or false")
+        if not self.speculative and self.speculative_adaptive is not None:
+            raise ValueError(
+                f"speculative_adaptive={self.speculative_adaptive} contradicts speculative=False (which means "
+                "no drafts); give one or the other"
+            )
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t <= INT64_MAX:
                 raise ValueError(f"stop_token_ids must be non-negative 64-bit integers, got {t!r}")
@@ -156,10 +185,13 @@ class SamplingParams:
                 f"logit_bias token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
             )
 
-    def check_speculation(self, num_speculative_tokens: int) -> None:
+    def check_speculation(self, num_speculative_tokens: int, adaptive: bool = False) -> None:
         """`num_speculative_tokens` must be within the engine's k (0: an engine without speculative
-        decoding, where only 0 or None is valid)."""
+        decoding, where only 0 or None is valid), and `speculative_adaptive` fit the engine
+        (`adaptive`: its speculative config is adaptive)."""
         error = speculation_error(self.num_speculative_tokens, num_speculative_tokens)
+        if error is None:
+            error = speculative_adaptive_error(self.speculative_adaptive, num_speculative_tokens, adaptive)
         if error is not None:
             raise ValueError(error)
 

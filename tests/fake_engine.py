@@ -26,11 +26,13 @@ from phalanx.entrypoints.async_llm import AsyncLLM
 
 class FakeEngineClient:
     def __init__(
-        self, vocab_size: int, max_model_len: int, tokens: tuple[int, ...] = (65, 66, 67), num_speculative_tokens: int = 0
+        self, vocab_size: int, max_model_len: int, tokens: tuple[int, ...] = (65, 66, 67), num_speculative_tokens: int = 0,
+        adaptive_speculation: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens  # the engine's speculative k (0: none)
+        self.adaptive_speculation = adaptive_speculation  # its draft length is the adaptive policy's
         self.tokens = tokens
         self.hold = False  # keep the answers until release()
         self._held: list[EngineOutputs] = []
@@ -81,12 +83,14 @@ class FakeEngineClient:
 
 @asynccontextmanager
 async def fake_app(
-    tokenizer: Any | None, vocab_size: int, max_model_len: int = 256, num_speculative_tokens: int = 0
+    tokenizer: Any | None, vocab_size: int, max_model_len: int = 256, num_speculative_tokens: int = 0,
+    adaptive_speculation: bool = False,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeEngineClient, AsyncLLM]]:
     """The real server app on a fake engine: (HTTP client, fake engine client, AsyncLLM)."""
     from phalanx.entrypoints.openai.server import build_app, make_state
 
-    client = FakeEngineClient(vocab_size, max_model_len, num_speculative_tokens=num_speculative_tokens)
+    client = FakeEngineClient(vocab_size, max_model_len, num_speculative_tokens=num_speculative_tokens,
+                              adaptive_speculation=adaptive_speculation)
     metrics = ServingMetrics("tiny")
     engine = AsyncLLM(client, tokenizer, metrics)  # type: ignore[arg-type]
     engine.start(None)

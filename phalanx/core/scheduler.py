@@ -78,7 +78,9 @@ class Scheduler:
             )
         req.status = RequestStatus.WAITING
         req.own_draft_cap = req.sampling_params.draft_cap(self.num_spec_tokens) if self.num_spec_tokens else 0
-        if req.own_draft_cap > 0 and self._parks():
+        # Drafting its cap every step, whatever the adaptive policy chooses for the others.
+        req.pinned = req.own_draft_cap > 0 and req.sampling_params.speculative_adaptive is False
+        if req.own_draft_cap > 0 and not req.pinned and self._parks():
             req.own_draft_cap, req.parked = 0, True
             self.spec_num_parked += 1
         self.requests[req.req_id] = req
@@ -253,9 +255,18 @@ class Scheduler:
             lengths = caps
         else:  # positions each request's drafter catch-up has waiting (fed when it drafts again)
             waiting = self._drafter_waiting
-            lags = [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
-                    for req, cap in zip(reqs, caps)]
-            lengths = self.adaptive.choose(req_ids, caps, base_rows, lags)
+            # A pinned request (`speculative_adaptive=False`) drafts its cap; the policy chooses for
+            # the others, its drafts part of their batch (verified in it, base rows to the policy).
+            pinned = [req.pinned and cap > 0 for req, cap in zip(reqs, caps)]
+            pinned_rows = sum(cap for cap, p in zip(caps, pinned) if p)
+            own = [0 if p else cap for cap, p in zip(caps, pinned)]
+            if any(own):
+                lags = [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
+                        for req, cap in zip(reqs, own)]
+                chosen = self.adaptive.choose(req_ids, own, base_rows + pinned_rows, lags, pinned_rows)
+            else:
+                chosen = own
+            lengths = [cap if p else n for cap, p, n in zip(caps, pinned, chosen)]
         for d in lengths:
             self.spec_draft_lengths[d] += 1
         return dict(zip(req_ids, lengths))

@@ -377,6 +377,12 @@ class EngineCoreClient:
         assert self._first_ready is not None, "no engine rank has started yet"
         return self._first_ready.num_speculative_tokens
 
+    @property
+    def adaptive_speculation(self) -> bool:
+        """Whether the engine's draft length is the adaptive policy's, the same on every rank."""
+        assert self._first_ready is not None, "no engine rank has started yet"
+        return self._first_ready.adaptive_speculation
+
     # ---- requests ---------------------------------------------------------------------------
     def serving_ranks(self) -> list[RankHandle]:
         """Ranks that take requests now: the ready ones; lockstep ranks only all together (a

@@ -90,6 +90,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     lockstep: bool = False  # this rank runs the lockstep loop (MoE expert parallel, --dp-lockstep)
     generation: int = 0
     num_speculative_tokens: int = 0  # the most drafts per request and step (0: no speculative decoding)
+    adaptive_speculation: bool = False  # the draft length is the adaptive policy's
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
@@ -202,6 +203,7 @@ def run_engine_core(config_bytes: bytes) -> None:
                     engine.lockstep,
                     cfg.generation,
                     engine.num_speculative_tokens,
+                    engine.adaptive_speculation,
                 )
             )
         )

@@ -102,6 +102,11 @@ class EngineCore:
         spec = self.cfg.speculative
         return spec.num_speculative_tokens if spec is not None else 0
 
+    @property
+    def adaptive_speculation(self) -> bool:
+        """Whether the draft length is the adaptive policy's (`"adaptive": true`)."""
+        return self.adaptive is not None
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         validate_prompt_tokens(prompt_token_ids, self.cfg.model.vocab_size, self.max_model_len)
 
@@ -109,7 +114,7 @@ class EngineCore:
         self.validate_prompt(request.prompt_token_ids)
         params = request.sampling_params
         params.check_token_ids(self.cfg.model.vocab_size)
-        params.check_speculation(self.num_speculative_tokens)
+        params.check_speculation(self.num_speculative_tokens, self.adaptive is not None)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         produced = request.output_token_ids

@@ -104,6 +104,10 @@ class AsyncLLM:
         return self.client.num_speculative_tokens
 
     @property
+    def adaptive_speculation(self) -> bool:
+        return self.client.adaptive_speculation
+
+    @property
     def is_healthy(self) -> bool:
         """At least one rank serves (and the server is not failing fast)."""
         return self.dead_message is None and self.client.serving

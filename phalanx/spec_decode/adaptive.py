@@ -1002,8 +1002,8 @@ class AdaptiveDrafting:
                 and self._decisions - self._quiet_from + 1 >= PARK_AFTER
                 and self.costs.grid_point(load) >= self.costs.grid_point(self._quiet_rows))
 
-    def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None
-               ) -> list[int]:
+    def choose(self, req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None,
+               extra_logit_rows: int = 0) -> list[int]:
         """Draft lengths for the requests that reach their end this step (verified next step, in
         a batch of about `base_rows` rows besides the drafts). Until a step of about that size
         (within the fit's cut) was measured, and `min_drafting_steps` steps ran the drafter, every
@@ -1016,7 +1016,8 @@ class AdaptiveDrafting:
         the margin with its catch-ups paid. The same requests and base rows as the last fresh
         decision, with caps no higher than it had and still holding its lengths, keep it for up
         to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing or every
-        cap (`REUSE_DECISIONS`)."""
+        cap (`REUSE_DECISIONS`). `extra_logit_rows`: rows of `base_rows` besides one a request that
+        compute logits (drafts decided elsewhere: a pinned request's, `SamplingParams.speculative_adaptive`)."""
         top = max(caps, default=0)
         if not req_ids or top == 0:
             self.last_decision = ""
@@ -1036,7 +1037,7 @@ class AdaptiveDrafting:
             self.last_decision = "reused"
             return reused
         self.last_decision = "fresh"
-        step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids))
+        step_cost, first_cost, pass_cost = self.costs.step_cost(base_rows, sum(caps), len(req_ids) + extra_logit_rows)
         request_cost = self.costs.request_cost(base_rows)
         if not self.drafter_passes:  # a lookup: no passes (what verifying any drafts costs stays)
             pass_cost = 0.0

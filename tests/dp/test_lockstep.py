@@ -62,21 +62,25 @@ def _question_prompts() -> list[list[int]]:
     return [tok.encode(f"<|user|>{r['question']}<|end|><|assistant|>").ids for r in rows]
 
 
-def _speculation(rng: random.Random) -> dict:
-    """Per-request speculation, at random: a quarter opt out, a quarter cap their drafts at 0..3."""
+def _speculation(rng: random.Random, adaptive: bool = False) -> dict:
+    """Per-request speculation, at random: a quarter opt out, a quarter cap their drafts at 0..3;
+    under the adaptive policy (`adaptive`) an eighth take themselves out of its hands
+    (`speculative_adaptive: false`: their cap every step)."""
     r = rng.random()
     if r < 0.25:
         return {"speculative": False}
     if r < 0.5:
         return {"num_speculative_tokens": rng.randint(0, 3)}
+    if r < 0.625 and adaptive:
+        return {"speculative_adaptive": False}
     return {}
 
 
 def _workload(num_ranks: int, num_requests: int, seed: int, per_request_spec: bool = False,
-              questions: list[list[int]] | None = None):  # noqa: ANN202
+              questions: list[list[int]] | None = None, adaptive: bool = False):  # noqa: ANN202
     """Per-rank jobs, the greedy requests to check: (rank, req_id, prompt, max_tokens), and the seeded
     sampled ones: (rank, req_id, prompt, SamplingParams kwargs). `per_request_spec`: opt-outs and
-    caps mixed in at random; `questions`: prompts are those (two of them where a prompt must pass
+    caps mixed in at random (and, `adaptive`, requests the policy does not choose for); `questions`: prompts are those (two of them where a prompt must pass
     the drafter's limit) instead of random tokens."""
     rng = random.Random(seed)
     jobs = [RankJob() for _ in range(num_ranks)]
@@ -99,7 +103,7 @@ def _workload(num_ranks: int, num_requests: int, seed: int, per_request_spec: bo
             prompt = (base * 3 + base)[:plen]  # repetitive, so the n-gram proposer finds matches
         max_tokens = rng.randint(1, 24)
         abort_at = arrival + rng.randint(0, 6) if rng.random() < 0.08 else -1
-        spec = _speculation(rng) if per_request_spec else {}
+        spec = _speculation(rng, adaptive) if per_request_spec else {}
         if rng.random() < 0.15:
             params = dict(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, **spec)
             if abort_at < 0:
@@ -152,7 +156,8 @@ def test_randomized_stress_is_exact_and_never_hangs(name: str, models: dict[str,
     target, drafter, ranks, par = CONFIGS[name]
     questions = _question_prompts() if target.startswith("demo") else None
     jobs, checked, sampled = _workload(ranks, 200, seed=sorted(CONFIGS).index(name),
-                                       per_request_spec=drafter is not None, questions=questions)
+                                       per_request_spec=drafter is not None, questions=questions,
+                                       adaptive=SPEC_EXTRA.get(name, {}).get("adaptive", False))
     spec = None
     if drafter == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": 3, "max_model_len": DRAFT_MAX_LEN}

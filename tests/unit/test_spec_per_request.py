@@ -257,6 +257,40 @@ def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[s
     assert sum(n for _, ns, _ in calls[-EXPLORE_EVERY:] for n in ns) <= 1
 
 
+def test_a_pinned_request_drafts_its_cap_where_the_policy_drafts_nothing(models: dict[str, Path]) -> None:
+    """`speculative_adaptive=False`: on costly rows where the policy drafts nothing for the others,
+    a pinned request still drafts its cap (k, or its own `num_speculative_tokens`) every step,
+    while parking (forced here) passes it by; outputs are plain decoding's."""
+    prompts = _prompts(6, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                             **[{}, {"speculative_adaptive": False},
+                                {"speculative_adaptive": False, "num_speculative_tokens": 2}][i % 3])
+              for i in range(6)]
+    plain_params = [p.clone(speculative_adaptive=None, num_speculative_tokens=None) for p in params]
+    ref = LLM(str(models["target"]), dtype="float32").generate(prompts, plain_params, use_tqdm=False)
+    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft", models, adaptive=True))
+    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5)
+    calls = _spy_drafts(llm)
+    outs = llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[:3]]
+    asked = [(rid, n) for ids, ns, _ in calls for rid, n in zip(ids, ns)]
+    # the engine's request ids are "0", "1", "2": the policy's, pinned at k, pinned at 2
+    # (the last few steps leave room for fewer drafts before max_tokens)
+    for rid, cap in (("1", K), ("2", 2)):
+        lengths = [n for r, n in asked if r == rid]
+        end = lengths[-(K + 1):]
+        assert set(lengths[:-(K + 1)]) == {cap} and end == sorted(end, reverse=True), lengths
+    late = [n for rid, n in asked[-3 * EXPLORE_EVERY:] if rid == "0"]
+    assert late and sum(late) <= 2  # the policy's request: nothing, but for an exploration
+    # Parking passes a pinned request by; a request left to the policy is parked.
+    llm.engine.adaptive.parks = lambda load: True  # type: ignore[method-assign]
+    outs = llm.generate(prompts[3:], params[3:], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[3:]]
+    parked = {r.request_id: r.outputs[0].num_draft_tokens for r in outs}
+    assert parked["3"] == 0 and parked["4"] > 0 and parked["5"] > 0
+    assert llm.get_metrics()["spec_num_parked"] == 1
+
+
 def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dict[str, Path]) -> None:
     """Drafts chosen in a step are verified in the next one: the policy is told that batch holds
     one row per request of this step, also when this step carries a prompt's chunk (pricing the
@@ -391,6 +425,9 @@ def test_a_drafter_with_nothing_to_feed_runs_no_pass(tmp_path: Path) -> None:
         ({"num_speculative_tokens": True}, r"num_speculative_tokens must be None or an integer >= 0"),
         ({"speculative": "no"}, r"speculative must be true or false, got 'no'"),
         ({"speculative": False, "num_speculative_tokens": 2}, r"num_speculative_tokens=2 contradicts speculative=False"),
+        ({"speculative_adaptive": "no"}, r"speculative_adaptive must be None, true or false, got 'no'"),
+        ({"speculative_adaptive": 0}, r"speculative_adaptive must be None, true or false, got 0"),
+        ({"speculative": False, "speculative_adaptive": False}, r"speculative_adaptive=False contradicts speculative=False"),
     ],
 )
 def test_sampling_params_refuse_bad_speculation_fields(kwargs: dict, message: str) -> None:
@@ -416,6 +453,17 @@ def test_the_engine_checks_the_cap_against_its_k(models: dict[str, Path]) -> Non
         plain.generate(prompt, SamplingParams(num_speculative_tokens=1), use_tqdm=False)
     for ok in (SamplingParams(speculative=False, max_tokens=2), SamplingParams(num_speculative_tokens=0, max_tokens=2)):
         assert plain.generate(prompt, ok, use_tqdm=False)[0].finished
+    # speculative_adaptive: false fits any engine that speculates, true only an adaptive one, and
+    # neither one that does not speculate.
+    with pytest.raises(ValueError, match=r'speculative_adaptive must be false or unset here: .*"adaptive": true'):
+        llm.generate(prompt, SamplingParams(speculative_adaptive=True), use_tqdm=False)
+    assert llm.generate(prompt, SamplingParams(speculative_adaptive=False, max_tokens=2), use_tqdm=False)[0].finished
+    with pytest.raises(ValueError, match="speculative_adaptive must be unset here: .*without speculative decoding"):
+        plain.generate(prompt, SamplingParams(speculative_adaptive=False), use_tqdm=False)
+    adaptive = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("ngram", models, adaptive=True))
+    for value in (True, False):
+        assert adaptive.generate(prompt, SamplingParams(speculative_adaptive=value, max_tokens=2),
+                                 use_tqdm=False)[0].finished  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
@@ -436,9 +484,10 @@ ENDPOINTS = {"/v1/completions": {"prompt": [5, 6], "max_tokens": 2},
              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
 
 
-def _serve(k: int, check: Any) -> Any:
+def _serve(k: int, check: Any, adaptive: bool = False) -> Any:
     async def main() -> Any:
-        async with fake_app(TOKENIZER, vocab_size=2048, num_speculative_tokens=k) as (http, engine, _):
+        async with fake_app(TOKENIZER, vocab_size=2048, num_speculative_tokens=k,
+                            adaptive_speculation=adaptive) as (http, engine, _):
             return await check(http, engine)
 
     return asyncio.run(main())
@@ -472,6 +521,32 @@ def test_server_accepts_opt_outs_and_caps_and_refuses_the_rest(path: str) -> Non
 
 
 @pytest.mark.parametrize("path", sorted(ENDPOINTS))
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_server_checks_speculative_adaptive_against_the_server(path: str, adaptive: bool) -> None:
+    """`speculative_adaptive`: false (draft the cap every step) on any server that speculates, true
+    only on an adaptive one; a 400 naming the field otherwise, and for a non-boolean or one given
+    with `speculative: false`."""
+
+    async def check(http: Any, engine: Any) -> None:
+        fine = [False, None, *([True] if adaptive else [])]
+        for value in fine:
+            r = await http.post(path, json={**ENDPOINTS[path], "speculative_adaptive": value})
+            assert r.status_code == 200, (value, r.text)
+        assert [r.sampling_params.speculative_adaptive for r in engine.added] == fine
+        bad = [({"speculative_adaptive": "maybe"}, "speculative_adaptive"),
+               ({"speculative": False, "speculative_adaptive": False}, "contradicts speculative=false"),
+               *([] if adaptive else [({"speculative_adaptive": True}, '"adaptive": true')])]  # fmt: skip
+        for extra, text in bad:
+            r = await http.post(path, json={**ENDPOINTS[path], **extra})
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "speculative_adaptive" and text in error["message"], (extra, error)
+        assert len(engine.added) == len(fine)
+
+    _serve(3, check, adaptive=adaptive)
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
 def test_server_without_speculation(path: str) -> None:
     """`speculative: false` (and a cap of 0) mean what the server does anyway; a cap above 0 is a
     400 that says the server does not speculate."""
@@ -485,6 +560,9 @@ def test_server_without_speculation(path: str) -> None:
         error = r.json()["error"]
         assert error["param"] == "num_speculative_tokens"
         assert "without speculative decoding" in error["message"] and "got 2" in error["message"]
+        r = await http.post(path, json={**ENDPOINTS[path], "speculative_adaptive": False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative_adaptive"
+        assert "without speculative decoding" in r.json()["error"]["message"]
         assert len(engine.added) == 2
 
     _serve(0, check)

@@ -23,7 +23,10 @@ then carries `spec_stats` = {num_draft_tokens, num_accepted_tokens, num_verify_s
 mean_acceptance_length} for its sample; `speculative` (false: this request never gets drafts, the
 others in its batch keep drafting) and `num_speculative_tokens` (at most j drafts per step,
 0 <= j <= the server's k, checked against the server by ``serving``; on a server without
-speculative decoding only 0 is valid). Neither changes the output, only its speed.
+speculative decoding only 0 is valid); `speculative_adaptive` (false: on a server whose draft length
+is adaptive, this request drafts its cap every step and is never parked; true or unset: the
+policy's choice; only unset on a server without speculative decoding, and not true on a static
+one). None of them changes the output, only its speed.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class _SamplingFields(_Strict):
     return_spec_stats: bool = False
     speculative: bool = True
     num_speculative_tokens: Int64 | None = None
+    speculative_adaptive: bool | None = None
 
     def _common_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
@@ -133,6 +137,7 @@ class _SamplingFields(_Strict):
             "logit_bias": self.logit_bias,
             "speculative": self.speculative,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "speculative_adaptive": self.speculative_adaptive,
         }
         for name in (
             "temperature",

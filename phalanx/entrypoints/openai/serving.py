@@ -32,7 +32,7 @@ from phalanx.entrypoints.async_llm import AsyncLLM, RequestRejectedError
 from phalanx.entrypoints.openai.prompts import Prompt, PromptPreparer
 from phalanx.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from phalanx.outputs import CompletionOutput, Logprob, RequestOutput
-from phalanx.sampling_params import SamplingParams, speculation_error
+from phalanx.sampling_params import SamplingParams, speculation_error, speculative_adaptive_error
 
 
 class APIError(Exception):
@@ -89,6 +89,17 @@ class OpenAIServing:
                 f"num_speculative_tokens={req.num_speculative_tokens} contradicts speculative=false (no "
                 "drafts); give one or the other",
                 param="num_speculative_tokens",
+            )
+        error = speculative_adaptive_error(req.speculative_adaptive, self.engine.num_speculative_tokens,
+                                           self.engine.adaptive_speculation)
+        if error is not None:
+            raise APIError(400, error, param="speculative_adaptive")
+        if not req.speculative and req.speculative_adaptive is not None:
+            raise APIError(
+                400,
+                f"speculative_adaptive={str(req.speculative_adaptive).lower()} contradicts speculative=false (no "
+                "drafts); give one or the other",
+                param="speculative_adaptive",
             )
         params = req.sampling_params(req.requested_max_tokens())
         params.check_token_ids(self.engine.vocab_size)

@@ -13,14 +13,26 @@ adaptive policy, last, how it decided (`decision`: static, fresh, reused, explor
 many of the steps that verified drafts each kind of decision gave their drafts (a decision is
 taken in one step's scheduling, its drafts verified in the next step). --span keeps one run's
 steps: `adaptive_spec.py` prints each run's span (the same clock) and records them per round.
+--price R,M replays the log (up to the span's end) into a fresh cost model on the engine's own
+profile (the log's first line) and prints what it prices R requests decoding at, without drafts
+and with M draft rows: what the policy's model made of those steps, to hold against what the
+steps of that shape took (above).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
+
+from phalanx.engine.engine_core import MIN_CPU_SHARE
+from phalanx.spec_decode.adaptive import StepCostModel, StepProfile
+
+# A step followed by the next within this many seconds: the engine went straight on (requests in
+# flight), and timed the step to the next one's start (``EngineCore._observe_step``).
+WENT_ON_GAP = 0.005
 
 
 def _decoding(step: dict) -> bool:
@@ -29,7 +41,8 @@ def _decoding(step: dict) -> bool:
 
 
 def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None = None) -> str:
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][skip:]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [s for s in lines if "t0" in s][skip:]  # (an adaptive engine's first line: its profile)
     if span is not None:
         steps = [s for s in steps if span[0] <= s["t0"] and s["t1"] <= span[1]]
     if not steps:
@@ -91,6 +104,39 @@ def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None
     return "\n".join(out)
 
 
+def cost_model(path: Path, until: float | None = None) -> StepCostModel:
+    """A fresh cost model fed the log's steps up to `until` (perf_counter seconds; None: all) as the
+    engine fed its own (each timed to the next one's start where the engine went straight on, a
+    preempted one left out), on the profile the log starts with (ValueError: none, not an adaptive
+    engine's log)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    head = next((x for x in lines if "profile" in x), None)
+    if head is None:
+        raise ValueError(f"{path} holds no profile: not the step log of an adaptive engine")
+    costs = StepCostModel(logit_share=head["logit_share"], feeds_every_row=head["feeds_every_row"])
+    costs.set_profile(*StepProfile(**head["profile"]))
+    steps = [s for s in lines if "t0" in s and (until is None or s["t1"] <= until)]
+    for s, after in zip(steps, steps[1:]):
+        wall = s["t1"] - s["t0"]
+        if s["cpu"] < MIN_CPU_SHARE * wall:
+            continue
+        went_on = after["t0"] - s["t1"] < WENT_ON_GAP
+        costs.observe(s["rows"], (after["t0"] if went_on else s["t1"]) - s["t0"], s["drafter"], s["passes"],
+                      s["logit_rows"], s["drafts"], s["drafter_rows"], s["forward"], s["drafter_pass_rows"],
+                      s["drafting"])
+    return costs
+
+
+def price(costs: StepCostModel, reqs: int, drafts: int) -> str:
+    """What `costs` prices `reqs` requests decoding at, without drafts and with `drafts` draft rows
+    spread evenly (depth: drafts / reqs rounded up), every request drafting."""
+    curve, first, per_pass = costs.step_cost(reqs, drafts, reqs)
+    depth = math.ceil(drafts / reqs) if drafts else 0
+    drafted = curve[drafts] + (first + per_pass * (depth - 1) + reqs * costs.request_cost(reqs) if drafts else 0.0)
+    return (f"  priced: {reqs} requests decoding {1e3 * curve[0]:.2f} ms without drafts, {1e3 * drafted:.2f} ms "
+            f"with {drafts} draft rows")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logs", nargs="+", type=Path)
@@ -99,10 +145,16 @@ def main() -> int:
     p.add_argument("--span", default=None,
                    help="START,END: only the steps within this perf_counter span (adaptive_spec.py prints "
                         "each run's and records them as rounds_span)")
+    p.add_argument("--price", default=None,
+                   help="R,M: replay the log (to the span's end) into a fresh cost model and print what it "
+                        "prices R requests decoding at, without drafts and with M draft rows")
     args = p.parse_args()
     span = tuple(float(x) for x in args.span.split(",")) if args.span else None
     for path in args.logs:
         print(summarise(path, args.reqs, 0 if span else args.skip, span))
+        if args.price:
+            reqs, drafts = (int(x) for x in args.price.split(","))
+            print(price(cost_model(path, span[1] if span else None), reqs, drafts))
     return 0
 
 

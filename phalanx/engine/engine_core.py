@@ -68,9 +68,10 @@ class EngineCore:
             # The shape of step time against rows, measured now, while nothing else runs (3-5 s on
             # a 135M model on 2 cores; not under expert parallelism, whose forward has partners).
             # Also at k + 1 rows to a sequence, as the drafts are verified.
-            self.adaptive.costs.set_profile(*self.runner.profile_step_curve(
+            profile = self.runner.profile_step_curve(
                 min(PROFILE_MAX_ROWS, cfg.scheduler.max_num_batched_tokens), group=spec.num_speculative_tokens + 1
-            ))
+            )
+            self.adaptive.costs.set_profile(*profile)
         self.scheduler = Scheduler(
             cfg.scheduler,
             cfg.cache,
@@ -91,6 +92,11 @@ class EngineCore:
         self._step_log: TextIO | None = open(f"{path}.{os.getpid()}", "a", buffering=1) if path else None  # noqa: SIM115
         if self.adaptive is not None:
             self.adaptive.explain = self._step_log is not None
+            if self._step_log is not None and self.adaptive.costs.measured_profile is not None:
+                # the shape the policy prices rows on, so that a replay of the log prices them alike
+                self._step_log.write(json.dumps({"profile": self.adaptive.costs.measured_profile._asdict(),
+                                                 "logit_share": self.adaptive.costs.logit_share,
+                                                 "feeds_every_row": self.adaptive.costs.feeds_every_row}) + "\n")
 
     @property
     def max_model_len(self) -> int:
@@ -187,7 +193,7 @@ class EngineCore:
                   forward_before: float, drafter_before: float, num_draft_rows: int, emitted: int) -> None:
         """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
-        tokens through the target, `reqs` the requests scheduled, `drafts` the draft rows verified,
+        tokens through the target, `logit_rows` those of them that compute logits, `reqs` the requests scheduled, `drafts` the draft rows verified,
         `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
         fed and `drafter_pass_rows` those its later passes fed, `drafting` the requests it drafted
         for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
@@ -196,7 +202,9 @@ class EngineCore:
         (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy) and, for a
         fresh decision, `predicted`: the tokens per second the cost model gave the lengths chosen,
         drafting nothing and every cap (`AdaptiveDrafting.last_prediction`). What tells where a
-        step's time goes, per batch shape, and which term tipped a decision."""
+        step's time goes, per batch shape, and which term tipped a decision. An adaptive engine's log
+        starts with the profile its policy prices rows on (``benchmarks/step_log.py`` replays a log
+        into a cost model on it)."""
         assert self._step_log is not None
         decision, predicted = "", None
         if self.adaptive is not None:  # a step that chose nothing records nothing
@@ -205,6 +213,7 @@ class EngineCore:
         self._step_log.write(json.dumps({
             "t0": t0, "t1": time.perf_counter(), "cpu": time.thread_time() - cpu0,
             "rows": sched.total_num_scheduled_tokens,
+            "logit_rows": len(sched.reaching_end) + num_draft_rows,
             "reqs": len(sched.num_scheduled_tokens),
             "drafts": num_draft_rows,
             "passes": result.num_drafter_passes, "drafter_rows": result.drafter_rows_fed,

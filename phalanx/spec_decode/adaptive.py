@@ -447,6 +447,7 @@ class StepCostModel:
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
         self._profile: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.measured_profile: StepProfile | None = None  # `set_profile`'s arguments, as given
         # What holding rows `_group` to a sequence saves of the forward, at rows from 0 (None: draft
         # rows are priced as rows of their own sequences).
         self._saving: tuple[np.ndarray, np.ndarray] | None = None
@@ -500,6 +501,8 @@ class StepCostModel:
         head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
         # The head over 0 rows costs nothing (a step of prompt rows only).
         self._profile = (r, fwd, np.concatenate([[0.0], r]), np.concatenate([[0.0], head]))
+        self.measured_profile = StepProfile(list(rows), list(forward_seconds), list(head_seconds), grouped_rows,
+                                            grouped_seconds, group)
         self._saving, self._group = None, 1
         if grouped_seconds is not None and grouped_rows is not None:
             # Never below 0 (fewer sequences read fewer keys; a measurement saying otherwise is

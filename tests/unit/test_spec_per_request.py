@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.step_log import summarise
+from benchmarks.step_log import cost_model, price, summarise
 from phalanx import LLM, SamplingParams
 from phalanx.core import scheduler as scheduler_module
 from phalanx.engine import engine_core as engine_core_module
-from phalanx.engine.engine_core import STEP_LOG_ENV
+from phalanx.engine.engine_core import MIN_CPU_SHARE, STEP_LOG_ENV
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.engine.protocol import EngineCoreRequest
 from phalanx.spec_decode.adaptive import (
@@ -41,6 +41,7 @@ from phalanx.spec_decode.adaptive import (
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
     StepCostModel,
+    StepProfile,
     profile_may_stop_after,
 )
 from phalanx.spec_decode.config import SpeculativeConfig
@@ -695,7 +696,16 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     llm = LLM(str(models["agreeing_target"]), dtype="float32", speculative_config={
         "model": str(models["agreeing_head"]), "num_speculative_tokens": K, "adaptive": True})
     llm.generate(_prompts(3, seed=2), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    steps = [json.loads(s) for s in (tmp_path / f"adaptive.{os.getpid()}").read_text().splitlines()]
+    log = tmp_path / f"adaptive.{os.getpid()}"
+    head, *steps = [json.loads(s) for s in log.read_text().splitlines()]
+    # Its first line: the profile the policy prices rows on, from which a replay prices them alike.
+    costs = llm.engine.adaptive.costs
+    assert StepProfile(**head["profile"]) == costs.measured_profile and head["logit_share"] == costs.logit_share
+    assert len(steps) == llm.engine.num_steps and all(s["reqs"] <= s["logit_rows"] <= s["rows"] for s in steps)
+    replayed = cost_model(log)
+    assert replayed.measured_profile == costs.measured_profile and replayed._count == len(steps) - 1 - sum(
+        s["cpu"] < MIN_CPU_SHARE * (s["t1"] - s["t0"]) for s in steps[:-1])
+    assert price(replayed, 3, 6).startswith("  priced: 3 requests decoding ")
     decisions = [s["decision"] for s in steps]
     chosen = [d for d in decisions if d]
     assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide"}

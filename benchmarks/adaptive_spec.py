@@ -134,6 +134,8 @@ async def run_level(base: str, model: str, items: list[tuple[str, bool]], concur
     summary["draft_lengths"] = {k: v - lengths_before.get(k, 0.0) for k, v in sorted(lengths_after.items())}
     parked = "phalanx:spec_decode_num_parked_requests_total"
     summary["parked"] = parsed[1].get(parked, 0.0) - parsed[0].get(parked, 0.0)
+    preempted = "phalanx:num_preemptions_total"  # requests whose KV was freed and recomputed later
+    summary["preempted"] = parsed[1].get(preempted, 0.0) - parsed[0].get(preempted, 0.0)
     # perf_counter is CLOCK_MONOTONIC here as in the server: the span cuts a step log
     # (``PHALANX_DEBUG_STEP_LOG``, `step_log.py --span`) to this run's steps
     summary["span"] = [start, start + duration]
@@ -271,6 +273,7 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
                     print(f"{mode:>9} {name:>6} c={c:<3} {res['output_throughput']:8.1f} tok/s  "
                           f"TPOT {res['tpot_ms'].get('mean', float('nan')):7.2f} ms  acc len {acc:.2f}  "
                           f"failed {res['failed']}  lengths {res['draft_lengths']}  parked {res['parked']:.0f}  "
+                          f"preempted {res['preempted']:.0f}  "
                           f"span {res['span'][0]:.3f},{res['span'][1]:.3f}", flush=True)
             for mode in modes:
                 ordered = sorted(rounds[mode], key=lambda r: r["output_throughput"])

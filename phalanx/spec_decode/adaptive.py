@@ -137,6 +137,19 @@ PROFILE_CONTEXT = 192
 GROUPED_PROFILE_ROWS = (16, 32, 64, 128)
 
 
+# The draft scale's prior (`StepCostModel._draft_scale`: 1, what the parts say) weighs as much as
+# this many whole steps' time of drafting steps' evidence.
+PRIOR_DRAFTING_STEPS = 8.0
+# With a profiled shape, a fit weighs every remembered step besides the local ones by its recency
+# alone, together as much as this many steps: where few steps lie near a batch size (16 requests
+# drafting 3 each verify 64 rows, far from a fit at 16; at 32, 128 rows), the shape's scale and the
+# work around the forward were read from those few, whatever they were (prompt chunks, a spell's
+# first step): served, the demo at 32 requests priced a step without drafts at 10.6 ms from a
+# scale of 2.66 where such steps took ~6 ms (scale ~1.9), and drafted at a loss. Where many steps
+# lie near, it changes little.
+GLOBAL_STEPS = 8.0
+
+
 def profile_may_stop_after(grid: list[int], i: int) -> bool:
     """Whether the profile may end at grid point i: at or past PROFILE_MIN_ROWS, and not just past a
     tile edge (r with r - 1 on the grid: the segment into it is the edge's jump, and extended it
@@ -316,6 +329,11 @@ class StepFit(NamedTuple):
     # request, and feeding it the positions its last step accepted (the local mean of those beyond
     # one a drafting request fed).
     request_cost: float = 0.0
+    # With a profiled shape: what the steps that verified drafts, their base (their rows besides the
+    # drafts) near this fit's, took beyond the price of their base, over what the parts above priced
+    # that at (`StepCostModel._draft_scale`); every drafting cost is scaled by it. 1: nothing
+    # measured, or no profile (the fit then prices drafts on the steps near the rows they reach).
+    draft_scale: float = 1.0
 
 
 # The quantities each observed step leaves in `StepCostModel`'s window, in `_pending`'s order.
@@ -617,6 +635,8 @@ class StepCostModel:
         elif not kernel.sum() > 0:  # every step far beyond the tail's reach
             kernel = full.astype(np.float64)
         recency = np.where(full, self._decay ** np.where(full, age, 0.0), 0.0)
+        if self._profile is not None:  # every step besides, as much as GLOBAL_STEPS steps together
+            kernel = kernel + full * (GLOBAL_STEPS / float(recency.sum()))
         w = recency * kernel
         w = w / w.sum()
         d = self._drafter
@@ -666,9 +686,10 @@ class StepCostModel:
                 rhs = (dz * wd) @ dr + np.array([0.0, share * self.verify_ridge * verify_prior])
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
-            return self._remember(j, mv, StepFit(
+            fit = self._remember(j, mv, StepFit(
                 float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row), float(first_cost),
                 float(pass_cost), float(verify_cost), max(scale, 0.0), catch_up_row, drafter_row, request_cost))
+            return fit._replace(draft_scale=self._draft_scale(base_rows, recency, fit))
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
@@ -697,6 +718,45 @@ class StepCostModel:
         return self._remember(j, mv, StepFit(
             float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
             float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost))
+
+    def _draft_scale(self, base_rows: float, recency: np.ndarray, f: StepFit) -> float:
+        """What drafting took over what `f` prices it at, near `base_rows` (`StepFit.draft_scale`).
+
+        The fit is local to the rows of a step, and drafts take a batch far from its base: 16
+        requests drafting 3 each verify 64 rows, beyond the cut of a fit at 16, so their step is
+        priced on the profile's shape scaled to the steps near 16 rows, and the shape moves between
+        start-ups (the demo's forward over 128 rows held 4 to a sequence against 32 rows of their
+        own: 2.44-3.02x in six profiles, ~2.9-3.0x in served steps), while the work around the
+        forward that grows with drafts is read where none are verified. Served (the demo on an
+        AVX512-BF16 CPU at 16 requests), steps drafting 3 were priced ~10 % under what they took,
+        where the decision hung on less. So each step that verified drafts (catch-ups left out:
+        priced apart), its base within the fit's cut of `base_rows`, is priced twice, as it ran and
+        as its base alone, and the ratio of what it took beyond the second to what the first added,
+        summed over those steps (weighted by recency and nearness), scales every drafting cost. A
+        step jitters by a share of the whole step, not of what its drafts added (one draft explored
+        in a batch that drafts nothing adds ~5 % to a step that jitters by ~15 %), so the ratio is
+        shrunk towards 1 by PRIOR_DRAFTING_STEPS whole steps of evidence: a few explorations move it
+        little, a spell of deep drafts sets it. Kept within [1/2, 2]."""
+        x, lg, dr, passes = self._rows, self._logit_rows, self._drafts, self._passes
+        base = x - dr
+        near = np.log((base + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
+        drafting = (dr > 0) & ~((self._fed - x >= BULK_FEED) & (passes > 0))
+        w = np.where(drafting & (np.abs(near) <= 2.0), recency * np.exp(-0.5 * near * near), 0.0)
+        pick = np.flatnonzero(w > 0)
+        if pick.size == 0:
+            return 1.0
+        w, x, lg, dr, passes, base = w[pick], x[pick], lg[pick], dr[pick], passes[pick], base[pick]
+        base_lg = lg - dr
+        alone = f.scale * self.shape(base, base_lg) + f.per_row * (base - base_lg) + f.per_logit_row * base_lg
+        priced = (f.scale * self.shape(x, lg, dr) + f.per_row * (x - lg) + f.per_logit_row * lg + f.draft_row * dr
+                  + f.verify_cost + f.first_cost * (passes > 0) + f.pass_cost * np.maximum(passes - 1, 0)
+                  + f.request_cost * self._drafting[pick])
+        took = self._seconds[pick] - f.fixed
+        added, beyond = float(w @ (priced - alone)), float(w @ (took - alone))
+        if not added > 0:
+            return 1.0
+        prior = PRIOR_DRAFTING_STEPS * float(w @ (alone + f.fixed)) / float(w.sum())
+        return float(min(max((beyond + prior) / (added + prior), 0.5), 2.0))
 
     def _remember(self, j: int, verified: float, fit: StepFit) -> StepFit:
         """`fit`, its drafting costs (verification, a later pass, a drafting request) kept for grid
@@ -913,7 +973,13 @@ class StepCostModel:
         asked near `base_rows`."""
         f = self._cached_fit(base_rows, always=True)
         assert f is not None
-        return f.request_cost
+        return f.request_cost * f.draft_scale
+
+    def draft_scale(self, base_rows: float) -> float:
+        """What drafting took over what the fit near `base_rows` prices it at (`StepFit.draft_scale`)."""
+        f = self._cached_fit(base_rows, always=True)
+        assert f is not None
+        return f.draft_scale
 
     def catch_up_cost(self, base_rows: float) -> float:
         """What feeding the drafter one waiting position costs in a catch-up (`StepFit.catch_up_row`),
@@ -933,8 +999,10 @@ class StepCostModel:
         rows, logits = base_rows + m, logit_base + m
         times = (f.scale * self.shape(rows, logits, m) + f.fixed + f.per_row * (rows - logits)
                  + f.per_logit_row * logits + f.draft_row * m)
+        s = f.draft_scale
+        times = times[0] + s * (times - times[0])
         curve = np.maximum.accumulate(np.maximum(times, 1e-6)).tolist()
-        return curve, f.first_cost + f.verify_cost, f.pass_cost
+        return curve, s * (f.first_cost + f.verify_cost), s * f.pass_cost
 
 
 def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -1090,16 +1158,16 @@ class AdaptiveDrafting:
                 return explored
         return lengths
 
-    @staticmethod
-    def _predict(rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int],
+    def _predict(self, rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int],
                  step_cost: np.ndarray | list[float], pass_cost: float, first_cost: float, request_cost: float,
                  base_rows: int) -> dict[str, float]:
         """What the cost model predicts for a fresh decision (`explain`): tokens per second of the
-        lengths chosen, of drafting nothing and of every cap."""
+        lengths chosen, of drafting nothing and of every cap, and the drafting costs' scale."""
         def rate(d: list[int]) -> float:
             return round(step_rate(rates, d, step_cost, pass_cost, first_cost, request_cost=request_cost), 2)
         return {"chosen": rate(lengths), "none": rate([0] * len(caps)), "caps": rate(list(caps)),
-                "base_rows": base_rows, "draft_rows": sum(lengths)}
+                "base_rows": base_rows, "draft_rows": sum(lengths),
+                "draft_scale": round(self.costs.draft_scale(base_rows), 3)}
 
     def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], own_caps: list[int], grid: int
                ) -> list[int] | None:

@@ -1258,3 +1258,47 @@ def test_where_every_step_drafted_alike_a_step_without_drafts_costs_its_forward_
     assert curve[0] >= 0.005 + 0.0025 * 16  # the forward of 16 rows, at least
     # what the drafting steps measured, still: the model moved no time out of them
     assert curve[48] + first_cost + 2 * pass_cost == pytest.approx(forward + 0.0074, rel=0.02)
+
+
+def test_drafting_far_from_its_base_is_priced_at_what_its_steps_took() -> None:
+    """16 requests drafting 3 each verify 64 rows, beyond the cut of the fit at 16: their step is
+    priced on the profile's shape from the steps near 16 rows. Where the shape is off out there
+    (here the forward over 64 rows takes 1.15x what the profile says, as a profile taken at
+    start-up can be), the drafting steps themselves say so: every drafting cost is scaled to what
+    they took beyond their base, and the step without drafts keeps its price."""
+    costs = _profiled()
+    alone = 0.005 + 0.0025 * 16
+    deep = 1.15 * (0.005 + 0.0025 * 64)  # the forward over 64 rows, as it runs
+    took = deep + 0.003 + 0.001  # the drafter's 3 passes, the verification
+    for _ in range(16):
+        for _ in range(16):
+            costs.observe(16, alone + 0.0005, 0.0, 0, forward_seconds=alone)
+        for _ in range(16):
+            costs.observe(64, took, 0.003, 3, num_draft_rows=48, drafter_rows=32, drafter_pass_rows=32,
+                          forward_seconds=deep, drafting_reqs=16)
+    assert costs.draft_scale(16) > 1.1  # the parts alone priced it well under what it took
+    curve, first, per_pass = costs.step_cost(16, 48, base_logit_rows=16)
+    assert curve[0] == pytest.approx(alone + 0.0005, rel=0.03)
+    assert curve[48] + first + 2 * per_pass + 16 * costs.request_cost(16) == pytest.approx(took, rel=0.03)
+    # Drafting where every step near its base drafted alike, and the parts price it right: no scale.
+    even = _profiled()
+    for _ in range(256):
+        even.observe(64, 0.005 + 0.0025 * 64 + 0.004, 0.003, 3, num_draft_rows=48, drafter_rows=32,
+                     drafter_pass_rows=32, forward_seconds=0.005 + 0.0025 * 64, drafting_reqs=16)
+    assert even.draft_scale(16) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_few_odd_steps_near_a_batch_size_do_not_set_its_scale() -> None:
+    """32 requests drafting 3 each: 128-row steps, far from a fit at 32, and near 32 rows only a few
+    steps of another kind (a spell's first step, a prompt chunk), their forwards 1.4x what the rest
+    say of the machine. The fit at 32 leans on every step as much as on those few: the step
+    without drafts is priced at the scale the 128-row steps measured, not at theirs."""
+    costs = _profiled()
+    shape = lambda r: 0.005 + 0.0025 * r  # noqa: E731
+    for i in range(400):
+        if i % 50 == 0:
+            costs.observe(30, 1.4 * 1.9 * shape(30) + 0.001, 0.0, 0, forward_seconds=1.4 * 1.9 * shape(30))
+        else:
+            costs.observe(128, 1.9 * shape(128) + 0.004, 0.003, 3, num_draft_rows=96, drafter_rows=64,
+                          drafter_pass_rows=64, forward_seconds=1.9 * shape(128), drafting_reqs=32)
+    assert costs.fit(32).scale == pytest.approx(1.9, rel=0.12)

@@ -263,7 +263,7 @@ class Scheduler:
             if any(own):
                 lags = [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
                         for req, cap in zip(reqs, own)]
-                chosen = self.adaptive.choose(req_ids, own, base_rows + pinned_rows, lags, pinned_rows)
+                chosen = self.adaptive.choose(req_ids, own, base_rows + pinned_rows, lags, extra_logit_rows=pinned_rows)
             else:
                 chosen = own
             lengths = [cap if p else n for cap, p, n in zip(caps, pinned, chosen)]

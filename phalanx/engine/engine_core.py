@@ -68,10 +68,9 @@ class EngineCore:
             # The shape of step time against rows, measured now, while nothing else runs (3-5 s on
             # a 135M model on 2 cores; not under expert parallelism, whose forward has partners).
             # Also at k + 1 rows to a sequence, as the drafts are verified.
-            profile = self.runner.profile_step_curve(
+            self.adaptive.costs.set_profile(*self.runner.profile_step_curve(
                 min(PROFILE_MAX_ROWS, cfg.scheduler.max_num_batched_tokens), group=spec.num_speculative_tokens + 1
-            )
-            self.adaptive.costs.set_profile(*profile)
+            ))
         self.scheduler = Scheduler(
             cfg.scheduler,
             cfg.cache,
@@ -193,17 +192,17 @@ class EngineCore:
                   forward_before: float, drafter_before: float, num_draft_rows: int, emitted: int) -> None:
         """One JSON line for the step (``PHALANX_DEBUG_STEP_LOG``): `t0` / `t1` its start and end
         (perf_counter seconds: the gap to the next `t0` is the loop's work between steps), `rows` the
-        tokens through the target, `logit_rows` those of them that compute logits, `reqs` the requests scheduled, `drafts` the draft rows verified,
-        `passes` the drafter passes run for the next step, `drafter_rows` the positions its first
-        fed and `drafter_pass_rows` those its later passes fed, `drafting` the requests it drafted
-        for, `forward` / `drafter` the seconds in the target's forward and in the drafter, `tokens`
-        the tokens the step emitted, `cpu` the engine thread's CPU seconds in it (below `t1 - t0`:
-        preempted), `decision` how the adaptive policy chose the lengths this step's scheduling gave
-        (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive policy) and, for a
-        fresh decision, `predicted`: the tokens per second the cost model gave the lengths chosen,
-        drafting nothing and every cap (`AdaptiveDrafting.last_prediction`). What tells where a
-        step's time goes, per batch shape, and which term tipped a decision. An adaptive engine's log
-        starts with the profile its policy prices rows on (``benchmarks/step_log.py`` replays a log
+        tokens through the target, `logit_rows` those of them that compute logits, `reqs` the requests
+        scheduled, `drafts` the draft rows verified, `passes` the drafter passes run for the next step,
+        `drafter_rows` the positions its first fed and `drafter_pass_rows` those its later passes fed,
+        `drafting` the requests it drafted for, `forward` / `drafter` the seconds in the target's forward
+        and in the drafter, `tokens` the tokens the step emitted, `cpu` the engine thread's CPU seconds in
+        it (below `t1 - t0`: preempted), `decision` how the adaptive policy chose the lengths this step's
+        scheduling gave (`AdaptiveDrafting.last_decision`; empty: no choice to make, or no adaptive
+        policy) and, for a fresh decision, `predicted`: the tokens per second the cost model gave the
+        lengths chosen, drafting nothing and every cap (`AdaptiveDrafting.last_prediction`). What tells
+        where a step's time goes, per batch shape, and which term tipped a decision. An adaptive engine's
+        log starts with the profile its policy prices rows on (``benchmarks/step_log.py`` replays a log
         into a cost model on it)."""
         assert self._step_log is not None
         decision, predicted = "", None

@@ -305,9 +305,10 @@ def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dic
     given: list[int] = []
     steps: list[tuple[int, int, int]] = []  # (base rows given, requests in the step, rows in the step)
 
-    def spy_choose(req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None) -> list[int]:
+    def spy_choose(req_ids: list[str], caps: list[int], base_rows: int, lags: list[int] | None = None,
+                   extra_logit_rows: int = 0) -> list[int]:
         given.append(base_rows)
-        return choose(req_ids, caps, base_rows, lags)
+        return choose(req_ids, caps, base_rows, lags, extra_logit_rows=extra_logit_rows)
 
     def spy_schedule():  # noqa: ANN202
         before = len(given)

@@ -101,12 +101,8 @@ PARK_AFTER = 2 * EXPLORE_EVERY
 # drafting pays again (the load falls, the text turns repetitive) the policy sees it, and the
 # requests that arrive then draft. One kept running at all times instead cost more than the
 # parking saved at low load: on the demo's mixed workload at 4 requests (two that may draft at a
-# time), adaptive ran 0.91 of plain decoding with one, 0.98 with none, offline. And a probe costs
-# the engine its drafter bookkeeping and the policy's decisions every step while it runs: served,
-# the demo at 16 requests, parked (py-spy, 15 s of each), spent 3.0 % of its samples in the runner's
-# drafter call and 1.8 % choosing draft lengths with every 8th arrival a probe, 2.0 % and 1.1 %
-# with every 16th, where every request opted out spends 0.3 % and 0.1 %.
-PROBE_EVERY = 16
+# time), adaptive ran 0.91 of plain decoding with one, 0.98 with none, offline.
+PROBE_EVERY = 8
 # Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
 # is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load
 # of the weights), so time jumps just past each multiple of 16 and most past each multiple of 32

@@ -26,9 +26,10 @@ import json
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from phalanx.engine.engine_core import MIN_CPU_SHARE
-from phalanx.spec_decode.adaptive import StepCostModel, StepProfile
+if TYPE_CHECKING:
+    from phalanx.spec_decode.adaptive import StepCostModel
 
 # A step followed by the next within this many seconds: the engine went straight on (requests in
 # flight), and timed the step to the next one's start (``EngineCore._observe_step``).
@@ -109,6 +110,9 @@ def cost_model(path: Path, until: float | None = None) -> StepCostModel:
     engine fed its own (each timed to the next one's start where the engine went straight on, a
     preempted one left out), on the profile the log starts with (ValueError: none, not an adaptive
     engine's log)."""
+    from phalanx.engine.engine_core import MIN_CPU_SHARE  # (here: summing a log up needs no torch)
+    from phalanx.spec_decode.adaptive import StepCostModel, StepProfile
+
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     head = next((x for x in lines if "profile" in x), None)
     if head is None:

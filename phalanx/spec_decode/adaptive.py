@@ -689,7 +689,7 @@ class StepCostModel:
             fit = self._remember(j, mv, StepFit(
                 float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row), float(first_cost),
                 float(pass_cost), float(verify_cost), max(scale, 0.0), catch_up_row, drafter_row, request_cost))
-            return fit._replace(draft_scale=self._draft_scale(base_rows, recency, fit))
+            return fit._replace(draft_scale=self._draft_scale(base_rows, recency, shape, fit))
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
         if total > 0:
             dx, dl, dt = x - np.roll(x, 1), lg - np.roll(lg, 1), t - np.roll(t, 1)
@@ -719,8 +719,9 @@ class StepCostModel:
             float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
             float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost))
 
-    def _draft_scale(self, base_rows: float, recency: np.ndarray, f: StepFit) -> float:
-        """What drafting took over what `f` prices it at, near `base_rows` (`StepFit.draft_scale`).
+    def _draft_scale(self, base_rows: float, recency: np.ndarray, shape: np.ndarray, f: StepFit) -> float:
+        """What drafting took over what `f` prices it at, near `base_rows` (`StepFit.draft_scale`);
+        `shape`: the profiled shape of every step in the window, as the fit computed it.
 
         The fit is local to the rows of a step, and drafts take a batch far from its base: 16
         requests drafting 3 each verify 64 rows, beyond the cut of a fit at 16, so their step is
@@ -748,7 +749,7 @@ class StepCostModel:
         w, x, lg, dr, passes, base = w[pick], x[pick], lg[pick], dr[pick], passes[pick], base[pick]
         base_lg = lg - dr
         alone = f.scale * self.shape(base, base_lg) + f.per_row * (base - base_lg) + f.per_logit_row * base_lg
-        priced = (f.scale * self.shape(x, lg, dr) + f.per_row * (x - lg) + f.per_logit_row * lg + f.draft_row * dr
+        priced = (f.scale * shape[pick] + f.per_row * (x - lg) + f.per_logit_row * lg + f.draft_row * dr
                   + f.verify_cost + f.first_cost * (passes > 0) + f.pass_cost * np.maximum(passes - 1, 0)
                   + f.request_cost * self._drafting[pick])
         took = self._seconds[pick] - f.fixed

@@ -3,7 +3,7 @@ paired ratios its table prints (the servers themselves: the benchmark's own runs
 
 from __future__ import annotations
 
-from benchmarks.adaptive_spec import mode_server, table
+from benchmarks.adaptive_spec import best_mode_ratio, mode_server, table
 
 
 def test_each_mode_runs_on_its_server_with_its_fields() -> None:
@@ -30,7 +30,23 @@ def test_the_same_server_ratio_takes_the_best_of_plain_and_pinned_k_round_by_rou
     }
     text = table(results, modes, "chat", [4])
     header, _, row = text.splitlines()
-    assert header.endswith("| paired: adaptive / max(plain@adaptive, best k@adaptive) |")
+    assert header.endswith("| paired: adaptive / max(plain@adaptive, best k@adaptive) "
+                           "| paired: adaptive / the best mode@adaptive [90 % interval] |")
     # rounds: 120/120, 160/150, 90/100 -> median 1.0; against the static server: 0.8, 1.067, 0.6 -> 0.8
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[-1] == "1.000" and cells[-4] == "0.800"
+    assert cells[-2] == "1.000" and cells[-5] == "0.800"
+    # against k=3@adaptive alone (the best median): 1.0, 1.067, 0.9 -> 1.0
+    assert cells[-1].startswith("1.000 [") and cells[-1].endswith("(k=3@adaptive)")
+
+
+def test_the_best_mode_is_chosen_by_its_median_and_the_interval_holds_the_median() -> None:
+    """Two close modes: the per-round maximum would take each round's luckier one; the best mode is
+    the one whose median is higher, and adaptive is paired with it alone."""
+    rounds = [{"adaptive": 100.0, "plain@adaptive": 100.0 + d, "k=3@adaptive": 100.0 - d}
+              for d in (5.0, -5.0, 4.0, -3.0, 2.0)]
+    best, mid, lo, hi = best_mode_ratio(rounds, ["plain@adaptive", "k=3@adaptive"])
+    assert best == "plain@adaptive"  # medians 102 against 98
+    assert mid == 100.0 / 102.0
+    assert lo <= mid <= hi and 100.0 / 105.0 <= lo and hi <= 100.0 / 95.0
+    # the same rounds against the round-by-round maximum: each ratio at or below 1 (biased low)
+    assert all(r["adaptive"] / max(r["plain@adaptive"], r["k=3@adaptive"]) <= 1.0 for r in rounds)

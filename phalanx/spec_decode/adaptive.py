@@ -1215,24 +1215,25 @@ class AdaptiveDrafting:
             own = last.lengths
         else:  # requests came or went: those it decided keep their lengths, new ones are priced
             known = {r: (n, was) for r, n, was in zip(last.key[0], last.lengths, last.caps)}
-            own = []
+            own, curve = [], None
             for r, c in zip(key[0], own_caps):
                 n, was = known.get(r, (-1, 0))
                 if n < 0:
-                    n = self._length_of_new(r, c, last)
+                    curve = self.acceptance.curve() if curve is None else curve
+                    n = self._length_of_new(r, c, last, curve)
                 elif not n <= c <= was:
                     return None
                 own.append(n)
         it = iter(own)
         return [next(it) if c else 0 for c in caps]
 
-    def _length_of_new(self, req_id: str, cap: int, last: Decision) -> int:
+    def _length_of_new(self, req_id: str, cap: int, last: Decision, curve: list[float]) -> int:
         """A standing decision's draft length for a request it did not decide: its positions, up to
         its cap and the decision's deepest, whose gain (its own acceptance estimates) reaches the
         smallest gain the decision drafted. The fresh decision takes positions in that order, so
         this is its choice for the request at the decision's prices, save the request's own
         cost (`request_cost`) and the rows it adds."""
-        row = self.acceptance.rates_of(req_id)
+        row = self.acceptance.rates_of(req_id, curve)
         n, g = 0, 1.0
         for j in range(min(cap, max(last.lengths))):
             g *= min(max(row[j], 0.0), 1.0)

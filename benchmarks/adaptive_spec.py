@@ -27,7 +27,8 @@ drafter loaded).
 It prints output tokens/s per mode and concurrency, mean TPOT, mean acceptance length and the
 draft lengths the adaptive server chose, then the ratios adaptive / max(plain, best fixed k),
 adaptive / best fixed k, adaptive / plain@adaptive and adaptive / the best of plain@adaptive
-and k=j@adaptive, raw and paired by round. The mixed workload
+and k=j@adaptive, raw and paired by round, and adaptive against the one same-server mode with the
+highest median, paired, with a 90 % bootstrap interval over the rounds. The mixed workload
 (--mixed) sends, at the same concurrencies, half the requests with `"speculative": false` and half
 with code-like repetitive prompts (which a drafter accepts often). Writes everything to --json and
 a plot to --plot. Asserts nothing; run it on a quiet machine (the figures are ratios measured in

@@ -48,28 +48,28 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
-# A batch that reaches its ends near the same grid point of the step-cost fits as the last
-# decision keeps that decision for up to this many decisions in all (an exploration still comes
-# when due): at one request the decision, with cold caches between forward passes, took ~32 us,
-# ~3 % of a demo step, while the estimates it reads move by a verification's weight a step. At 16
-# requests the batch changes every few steps (the demo's short answers): requiring the same
-# requests, 131 of ~600 decisions were fresh (offline, three rounds of 256 chat requests), at 0.49
-# ms each on average (a fit of ~1 ms in one of five) on steps of 5-9 ms; near the grid point, 72
-# (~1.4 % of the time in decisions -> ~1 %, with `policy.step_rate` in plain Python). The requests
-# it decided keep their lengths; a request new to it drafts its positions whose gain reaches the
-# smallest gain the decision drafted (what the decision would give it at its prices,
-# `AdaptiveDrafting._length_of_new`). Caps that fell since
-# (requests nearing max_tokens lower theirs, at 16 requests on a third of the steps) keep it too
-# while they still hold its lengths: the best choice among more candidates is the best among
-# fewer that include it. The two corners stand for a changed batch too, near the same grid point
-# (`StepCostModel.grid_point`): a request more or less moves the costs little, and a new request
-# is priced at the rates the others' drafts measured. Both stand until the next
+# A batch that reaches its ends with the same requests that may draft (a cap above 0; those that
+# may not come and go freely) and base rows as the last decision keeps that decision for up to
+# this many decisions in all (an exploration still comes when due): at one request the decision,
+# with cold caches between forward passes, took ~32 us, ~3 % of a demo step, while the estimates
+# it reads move by a verification's weight a step. Caps that fell since (requests nearing
+# max_tokens lower theirs, at 16 requests on a third of the steps) keep it too while they still
+# hold its lengths: the best choice among more candidates is the best among fewer that include
+# it. The two corners stand for a changed batch too, near the same grid point of the step-cost
+# fits (`StepCostModel.grid_point`): a request more or less moves the costs little, and a new
+# request is priced at the rates the others' drafts measured. Both stand until the next
 # exploration, which decides afresh: one that drafts nothing (with no drafts no verification moves
 # the acceptance it read; the demo's mixed workload at 16 requests: ~120 us a fresh decision on
 # ~1.6 ms steps, its batch changing every few steps), and one that drafts every cap, new requests
 # at their caps (the demo's chat at 32 requests: a fresh decision on 9 steps of 10, ~0.15 ms each
 # on ~4 ms steps, where every one drafted k; at 4 requests, standing for this many decisions, one
-# in four steps, 28 us a step of the ~1.55 ms, against 21 us until the exploration).
+# in four steps, 28 us a step of the ~1.55 ms, against 21 us until the exploration). Tried and not
+# kept: any other decision standing for a changed batch near its grid point too, a new request
+# drafting its positions whose gain reaches the smallest gain the decision drafted. On the demo's
+# chat at 16 requests (offline) fresh decisions fell from 131 to 72 of ~600 (~0.4 % of the time),
+# but the rule drafts more than a fresh decision would (it leaves out the rows' rising cost and the
+# request's own): SmolLM2 at 4 requests drafted 0 in 927 decisions where the exact-batch rule
+# drafted 0 in 2,695, and ran 0.972 of its tokens per second (offline, six rounds, paired).
 REUSE_DECISIONS = 4
 # A decision to draft every cap stands until the next exploration (above) only where the model
 # predicts it to beat drafting nothing by at least this share of tokens per second; a closer one
@@ -1041,10 +1041,6 @@ class Decision(NamedTuple):
     at: int  # the decision count it was taken at
     grid: int  # the step-cost fit's grid point of the base rows (`StepCostModel.grid_point`)
     clear: bool = True  # drafting every cap: predicted to beat drafting nothing by CORNER_CLEAR_GAIN
-    # The smallest gain (probability of acceptance) among the positions it drafted: a request new
-    # to the batch while the decision stands drafts the positions of its own at least as likely
-    # (`AdaptiveDrafting._length_of_new`), up to the decision's deepest.
-    threshold: float = 1.0
 
 
 class AdaptiveDrafting:
@@ -1095,10 +1091,10 @@ class AdaptiveDrafting:
         itself does not price them (a request that drafts again later feeds them then anyway);
         the explorations do, being one-off: the one-request exploration takes the request with
         the shortest wait, and the whole batch at its caps is tried only where it comes within
-        the margin with its catch-ups paid. A batch near the last fresh decision's size, its
-        requests' caps no higher than it had and still holding its lengths, keeps it for up to
-        REUSE_DECISIONS decisions (new requests priced by its smallest drafted gain), up to the
-        next exploration where it drafted nothing or every cap (`REUSE_DECISIONS`). `extra_logit_rows`: rows of `base_rows` besides one a request that
+        the margin with its catch-ups paid. The same requests and base rows as the last fresh
+        decision, with caps no higher than it had and still holding its lengths, keep it for up
+        to REUSE_DECISIONS decisions, up to the next exploration where it drafted nothing or every
+        cap (`REUSE_DECISIONS`). `extra_logit_rows`: rows of `base_rows` besides one a request that
         compute logits (drafts decided elsewhere: a pinned request's, `SamplingParams.speculative_adaptive`)."""
         top = max(caps, default=0)
         if not req_ids or top == 0:
@@ -1138,8 +1134,7 @@ class AdaptiveDrafting:
         if self.explain:
             self.last_prediction = self._predict(rates, lengths, caps, step_cost, pass_cost, first_cost,
                                                  request_cost, base_rows)
-        self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid, clear,
-                              _smallest_gain(rates, lengths))
+        self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid, clear)
         if any(lengths):
             self._quiet_from = None
         elif self._quiet_from is None:
@@ -1188,10 +1183,8 @@ class AdaptiveDrafting:
         due). One that drafted nothing stands for any batch near its grid point until the next
         exploration; one that gave every request its cap, until the next exploration too, for any
         batch near its grid point whose requests it knew have no higher caps and none deeper than
-        its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for any
-        batch near its grid point whose requests it knew still hold their lengths within caps no
-        higher than it had, a new request drafting its positions whose gain reaches the smallest
-        gain it drafted (`_length_of_new`)."""
+        its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
+        same requests and base rows while the caps that fell still hold its lengths."""
         last = self._last
         if last is None or self._decisions % EXPLORE_EVERY == 0:
             return None
@@ -1207,40 +1200,12 @@ class AdaptiveDrafting:
                 return None
             known = dict(zip(last.key[0], last.caps))
             return list(caps) if all(c <= known.get(r, c) for r, c in zip(key[0], own_caps)) else None
-        if age >= REUSE_DECISIONS or last.grid != grid:
+        if age >= REUSE_DECISIONS:
             return None
-        if last.key[0] == key[0]:  # the same requests (base rows may differ within the grid point)
-            if not all(n <= c <= was for n, c, was in zip(last.lengths, own_caps, last.caps)):
-                return None
-            own = last.lengths
-        else:  # requests came or went: those it decided keep their lengths, new ones are priced
-            known = {r: (n, was) for r, n, was in zip(last.key[0], last.lengths, last.caps)}
-            own, curve = [], None
-            for r, c in zip(key[0], own_caps):
-                n, was = known.get(r, (-1, 0))
-                if n < 0:
-                    curve = self.acceptance.curve() if curve is None else curve
-                    n = self._length_of_new(r, c, last, curve)
-                elif not n <= c <= was:
-                    return None
-                own.append(n)
-        it = iter(own)
+        if last.key != key or not all(n <= c <= was for n, c, was in zip(last.lengths, own_caps, last.caps)):
+            return None
+        it = iter(last.lengths)
         return [next(it) if c else 0 for c in caps]
-
-    def _length_of_new(self, req_id: str, cap: int, last: Decision, curve: list[float]) -> int:
-        """A standing decision's draft length for a request it did not decide: its positions, up to
-        its cap and the decision's deepest, whose gain (its own acceptance estimates) reaches the
-        smallest gain the decision drafted. The fresh decision takes positions in that order, so
-        this is its choice for the request at the decision's prices, save the request's own
-        cost (`request_cost`) and the rows it adds."""
-        row = self.acceptance.rates_of(req_id, curve)
-        n, g = 0, 1.0
-        for j in range(min(cap, max(last.lengths))):
-            g *= min(max(row[j], 0.0), 1.0)
-            if g < last.threshold:
-                break
-            n += 1
-        return n
 
     def observe_verification(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(req_id, num_drafts, num_accepted)
@@ -1258,19 +1223,6 @@ class AdaptiveDrafting:
 
     def forget(self, req_id: str) -> None:
         self.acceptance.forget(req_id)
-
-
-def _smallest_gain(rates: np.ndarray | list[list[float]], lengths: list[int]) -> float:
-    """The smallest gain (`policy.expected_tokens`' g_ij) among the drafted positions, 1.0 if none:
-    a request's gains fall along its positions, so each request's last drafted one."""
-    smallest = 1.0
-    for row, n in zip(rates, lengths):
-        g = 1.0
-        for j in range(n):
-            g *= min(max(float(row[j]), 0.0), 1.0)
-        if n:
-            smallest = min(smallest, g)
-    return smallest
 
 
 def explore(lengths: list[int], caps: list[int], lags: list[int] | None = None) -> int | None:

@@ -825,9 +825,8 @@ def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size(
 def test_a_marginal_decision_to_draft_every_cap_is_kept_as_briefly_as_any_other(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every request at its cap, but predicted to beat drafting nothing by less than
-    CORNER_CLEAR_GAIN: it stands only REUSE_DECISIONS decisions in all, for the same batch or a
-    changed one, and a new request is not simply given its cap but priced (`_length_of_new`); a
-    clear one stands until the exploration, new requests at their caps."""
+    CORNER_CLEAR_GAIN: it does not stand for a changed batch (a new request is decided afresh, not
+    given its cap), and for the same batch only REUSE_DECISIONS decisions; a clear one stands."""
     clear = _policy_with_costs()
     for _ in range(60):
         for r in "ab":
@@ -841,48 +840,17 @@ def test_a_marginal_decision_to_draft_every_cap_is_kept_as_briefly_as_any_other(
     for _ in range(60):
         for r in "ab":
             policy.observe_verification(r, 1, 1)
-        policy.observe_verification("c", 1, 0)  # "c" never accepts
     assert policy.choose(["a"], [1], base_rows=2) == [1] and policy._last is not None and not policy._last.clear
+    at = policy._last.at
+    assert policy.choose(["a", "b"], [1, 1], base_rows=2) == [1, 1]  # "b" new to the decision: afresh
+    assert policy._last.at > at and policy._last.key[0] == ("a", "b")
     at, kept = policy._last.at, 0
-    assert policy.choose(["a", "b"], [1, 1], base_rows=2) == [1, 1]  # "b": its gain reaches the decision's
-    assert policy.choose(["a", "c"], [1, 1], base_rows=2) == [1, 0]  # "c": below it, not given its cap
-    assert policy._last.at == at
     while True:
         policy.choose(["a", "b"], [1, 1], base_rows=2)
         if policy._last.at != at:
             break
         kept += 1
-    assert kept == REUSE_DECISIONS - 3  # two decisions above, then the fresh one
-
-
-def test_a_changed_batch_keeps_a_decision_near_its_size_new_requests_priced_by_its_gains() -> None:
-    """A decision drafting for some requests (not every cap) stands for a batch whose requests
-    changed, near its grid point: the requests it decided keep their lengths, a new one drafts its
-    positions whose gain reaches the smallest gain the decision drafted, up to its deepest; a
-    request it knew whose cap rose, or a batch of another size, is decided afresh."""
-    policy = _policy_with_costs()
-    for _ in range(30):
-        policy.observe_verification("a", 3, 3)  # "a" always accepts
-        policy.observe_verification("b", 3, 0)  # "b" never does
-        policy.observe_verification("c", 3, 3)  # "c" like "a"
-        policy.observe_verification("d", 3, 0)  # "d" like "b"
-    fresh = policy.choose(["a", "b"], [3, 3], base_rows=2)
-    assert fresh == [3, 0] and policy._last is not None
-    at = policy._last.at
-    assert policy.choose(["a", "c", "d"], [3, 3, 3], base_rows=2) == [3, 3, 0]  # "b" left, "c", "d" came
-    assert policy.choose(["c", "a"], [2, 3], base_rows=3) == [2, 3]  # "c" at its cap, base rows moved a row
-    assert policy._last.at == at
-    policy = _policy_with_costs()
-    for _ in range(30):
-        policy.observe_verification("a", 3, 3)
-        policy.observe_verification("b", 3, 0)
-    assert policy.choose(["a", "b"], [3, 1], base_rows=2) == [3, 0]
-    at = policy._last.at
-    assert policy.choose(["a", "b"], [3, 3], base_rows=2) == [3, 0]  # "b"'s cap rose: afresh
-    assert policy._last.at > at
-    at = policy._last.at
-    policy.choose(["a", "b"], [3, 3], base_rows=8)  # another size: afresh
-    assert policy._last.at > at and policy._last.key[1] == 8
+    assert kept == REUSE_DECISIONS - 1
 
 
 def test_a_decision_to_draft_nothing_stands_until_the_next_exploration() -> None:

@@ -108,8 +108,9 @@ PARK_AFTER = 2 * EXPLORE_EVERY
 # requests that arrive then draft. One kept running at all times instead cost more than the
 # parking saved at low load: on the demo's mixed workload at 4 requests (two that may draft at a
 # time), adaptive ran 0.91 of plain decoding with one, 0.98 with none, offline. A probe's prompt
-# waits for the drafter until it drafts (`Request.probe`); what a probe still costs while it runs
-# (~50 us a step on the demo: its waiting rows kept, the policy's decisions) is in the scheduler.
+# waits for the drafter until it drafts (`Request.probe`); while it runs, a probe still costs the
+# demo's engine ~50 us a step (its waiting rows kept, the runner's drafter call) and the policy's
+# decisions for it.
 PROBE_EVERY = 8
 # Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
 # is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load

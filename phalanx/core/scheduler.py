@@ -284,7 +284,7 @@ class Scheduler:
 
     def _park_verdict(self) -> str | None:
         """What becomes of a request that may draft, arriving now: None where the adaptive policy
-        does not park (`AdaptiveDrafting.parks`: it has not drafted nothing for a while); else
+        does not park (`AdaptiveDrafting.parks`: parking starts after a while of drafting nothing); else
         "park" (it runs as opted out for good), but "probe" for every `PROBE_EVERY`-th such arrival
         since the last probe: it may draft, so the policy keeps deciding and measuring at the load
         of the moment, and its prompt waits for the drafter until it drafts (`Request.probe`):

@@ -204,9 +204,8 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
 def test_a_probes_prompt_waits_until_it_drafts_and_is_caught_up_exactly(method: str, models: dict[str, Path],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every arrival a probe (PROBE_EVERY 1, the policy parking): while the policy gives them no
-    drafts, no prompt reaches the drafter (each request's drafter KV ends at 0, its blocks are
-    published without it); once it drafts, the drafter catches up on prompt and outputs in one
-    pass, and the outputs are plain decoding's."""
+    drafts, no prompt reaches the drafter (each request's drafter KV ends at 0); once it drafts,
+    the drafter catches up on prompt and outputs in one pass, and the outputs are plain decoding's."""
     monkeypatch.setattr(scheduler_module, "PROBE_EVERY", 1)
     prompts = _prompts(4, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -79,9 +79,6 @@ class Request:
     # Parked by the adaptive policy when it arrived (``spec_decode.adaptive.PARK_AFTER``): it runs as
     # opted out (own_draft_cap 0) for its whole life.
     parked: bool = False
-    # Let through while the policy parks (a probe, ``spec_decode.adaptive.PROBE_EVERY``): it may draft,
-    # but its prompt waits for the drafter like its outputs do, fed only if it ever drafts.
-    probe: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

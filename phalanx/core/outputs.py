@@ -30,9 +30,6 @@ class NewRequestData:
     # The scheduler's verdict: it may be drafted for (its own cap above 0: neither opted out by its
     # parameters nor parked by the adaptive policy). A request that may not never reaches the drafter.
     may_draft: bool = False
-    # A probe of the parking policy (`Request.probe`): its prompt positions wait for the drafter
-    # until it drafts (``spec_decode.proposer.feed_range``), instead of being fed at once.
-    defer_prompt: bool = False
 
 
 @dataclass

@@ -80,12 +80,9 @@ class Scheduler:
         req.own_draft_cap = req.sampling_params.draft_cap(self.num_spec_tokens) if self.num_spec_tokens else 0
         # Drafting its cap every step, whatever the adaptive policy chooses for the others.
         req.pinned = req.own_draft_cap > 0 and req.sampling_params.speculative_adaptive is False
-        if req.own_draft_cap > 0 and not req.pinned:
-            verdict = self._park_verdict()
-            if verdict == "park":
-                req.own_draft_cap, req.parked = 0, True
-                self.spec_num_parked += 1
-            req.probe = verdict == "probe"
+        if req.own_draft_cap > 0 and not req.pinned and self._parks():
+            req.own_draft_cap, req.parked = 0, True
+            self.spec_num_parked += 1
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -216,7 +213,6 @@ class Scheduler:
                         num_hit,
                         list(req.output_token_ids),
                         req.own_draft_cap > 0,
-                        req.probe,
                     )
                 )
             num_scheduled[req.req_id] = num_new
@@ -282,18 +278,14 @@ class Scheduler:
         room = min(req.max_tokens - out, self.max_model_len - len(req.prompt_token_ids) - out) - 2
         return max(min(req.own_draft_cap, room), 0)
 
-    def _park_verdict(self) -> str | None:
-        """What becomes of a request that may draft, arriving now: None where the adaptive policy
-        does not park (`AdaptiveDrafting.parks`: parking starts after a while of drafting nothing); else
-        "park" (it runs as opted out for good), but "probe" for every `PROBE_EVERY`-th such arrival
-        since the last probe: it may draft, so the policy keeps deciding and measuring at the load
-        of the moment, and its prompt waits for the drafter until it drafts (`Request.probe`):
-        most probes never draft, and feeding their prompts cost the demo's engine ~0.1 ms a step
-        at 16 requests (~3 % of its steps' time, served)."""
+    def _parks(self) -> bool:
+        """Whether a request that may draft, arriving now, is parked (it runs as opted out for good):
+        the adaptive policy has drafted nothing for a while (`AdaptiveDrafting.parks`), and it is
+        not the `PROBE_EVERY`-th such arrival since the last probe."""
         if self.adaptive is None or not self.adaptive.parks(len(self.running) + len(self.waiting) + 1):
-            return None
+            return False
         self._since_probe = (self._since_probe + 1) % PROBE_EVERY
-        return "probe" if self._since_probe == 0 else "park"
+        return self._since_probe != 0
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """An n > 1 sample waits while a sibling computes the shared prompt (prefix cache on)."""

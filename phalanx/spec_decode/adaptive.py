@@ -107,10 +107,13 @@ PARK_AFTER = 2 * EXPLORE_EVERY
 # drafting pays again (the load falls, the text turns repetitive) the policy sees it, and the
 # requests that arrive then draft. One kept running at all times instead cost more than the
 # parking saved at low load: on the demo's mixed workload at 4 requests (two that may draft at a
-# time), adaptive ran 0.91 of plain decoding with one, 0.98 with none, offline. A probe's prompt
-# waits for the drafter until it drafts (`Request.probe`); while it runs, a probe still costs the
-# demo's engine ~50 us a step (its waiting rows kept, the runner's drafter call) and the policy's
-# decisions for it.
+# time), adaptive ran 0.91 of plain decoding with one, 0.98 with none, offline. Tried and not
+# kept: a probe's prompt waiting for the drafter until it drafts (most probes never do). Parked at
+# 16 requests the demo's steps spent 0.08 ms in the drafter instead of 0.10-0.13 (plain decoding
+# 0.01), but the probes' waits then hold their prompts, an exploration of a probe is priced with
+# that catch-up and runs four times less often (`COSTLY_EXPLORE_EVERY`): the probes are what
+# measure while parked, and in twelve rounds at 4 requests one stayed parked for its whole round
+# (0.76 of k = 3's tokens per second).
 PROBE_EVERY = 8
 # Batch sizes (rows) the step-time profile measures (``ModelRunner.profile_step_curve``); step time
 # is taken as linear between them. The AMX GEMM takes rows 32 at a time (two 16-row tiles per load

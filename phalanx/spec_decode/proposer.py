@@ -28,10 +28,7 @@ positions are always fed: a request's blocks past its drafter KV go to the prefi
 without it (`drafter_kv_ends`, read by the scheduler), and a request that may draft takes hits only
 up to the first such block, so a hit it takes always brings the drafter's KV along; a prompt that
 waited would make every later request sharing it (a system prompt, an earlier turn) recompute
-it. The exception: a probe of the parking policy (``core.scheduler``, `NewRequestData.defer_prompt`),
-admitted while every other request that arrives is parked (needs no drafter KV) and most often
-never drafting, gets a prompt length of 0 here: its prompt waits like its outputs, and is fed only
-if it drafts. A wait that would grow past the proposer's `max_lag`
+it. A wait that would grow past the proposer's `max_lag`
 positions is caught up at once: for an EAGLE head, the positions whose raw target features fit
 in `MAX_WAIT_BYTES` (the memory it keeps per waiting request); for a draft model, which keeps
 nothing per position, `MAX_DRAFT_MODEL_LAG`.
@@ -69,7 +66,7 @@ class ProposeBatch:
     num_drafts: list[int]  # per request: drafts wanted after this step (0: none), at most k
     block_table: torch.Tensor  # [R, max_blocks] int64 (the step's, with `table_rows`), covering the lookahead slots too
     token_offsets: list[int]  # per request: first row of its tokens in target_hidden
-    prompt_lens: list[int]  # per request: the positions always fed (its prompt's length; 0 for a probe's)
+    prompt_lens: list[int]  # per request: its prompt's length (prompt positions are never deferred)
     target_hidden: torch.Tensor | None = None  # [T, H] the target's final (normed) hidden states
     target_aux: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3: [T, H] per aux layer
     # Lockstep: the padded token count of each drafter pass, decided by the vote (the proposer runs

@@ -57,7 +57,6 @@ class RunnerRequestState:
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs, as known to the runner
     opted_out: bool = False  # never drafted for (opted out, or parked: `NewRequestData.may_draft`); never fed
-    defer_prompt: bool = False  # its prompt waits for the drafter like its outputs (`NewRequestData.defer_prompt`)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,7 +165,6 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 opted_out=self.proposer is not None and not new.may_draft,
-                defer_prompt=new.defer_prompt,
             )
             if self.proposer is not None:
                 self.proposer.start_request(new.req_id, new.num_computed_tokens)
@@ -383,7 +381,7 @@ class ModelRunner:
             rows.append(i)
             ids.append(req_id)
             token_ids.append(st.token_ids)
-            prompt_lens.append(0 if st.defer_prompt else len(st.prompt_token_ids))  # (a probe's waits)
+            prompt_lens.append(len(st.prompt_token_ids))
             nc.append(num_computed[i])
             # Rejected drafts' positions hold stale state: [a, d1, d2, d3] with 1 accepted -> 2 valid.
             num_valid.append(q_lens[i] - verified + max(produced - 1, 0))

@@ -178,12 +178,10 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
     scheduler = llm.engine.scheduler
     schedule = scheduler.schedule
     parked: dict[str, bool] = {}
-    deferred: set[str] = set()
 
     def spy_schedule():  # noqa: ANN202
         out = schedule()
         parked.update((new.req_id, scheduler.requests[new.req_id].parked) for new in out.new_reqs)
-        deferred.update(new.req_id for new in out.new_reqs if new.defer_prompt)
         return out
 
     scheduler.schedule = spy_schedule  # type: ignore[method-assign]
@@ -191,53 +189,12 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     # may draft: 0 1 3 4 6 7 9 (every third opted out); the 3rd and 6th of them are probes
     assert {r for r, was in parked.items() if was} == {"0", "1", "4", "6", "9"}
-    assert deferred == {"3", "7"}  # the probes' prompts wait for the drafter
     assert llm.get_metrics()["spec_num_parked"] == 5
     fed = {rid for ids, _, _ in calls for rid in ids}
     assert fed <= {"3", "7"} and "3" in fed  # neither a parked nor an opted-out request is fed
     for o in outs:
         if parked.get(o.request_id):
             assert o.outputs[0].num_draft_tokens == 0
-
-
-@pytest.mark.parametrize("method", ["eagle", "draft"])
-def test_a_probes_prompt_waits_until_it_drafts_and_is_caught_up_exactly(method: str, models: dict[str, Path],
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every arrival a probe (PROBE_EVERY 1, the policy parking): while the policy gives them no
-    drafts, no prompt reaches the drafter (each request's drafter KV ends at 0); once it drafts,
-    the drafter catches up on prompt and outputs in one pass, and the outputs are plain decoding's."""
-    monkeypatch.setattr(scheduler_module, "PROBE_EVERY", 1)
-    prompts = _prompts(4, seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    ref = LLM(str(models["target"]), dtype="float32").generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec(method, models, adaptive=True))
-    adaptive = llm.engine.adaptive
-    assert adaptive is not None
-    adaptive.parks = lambda load: True  # type: ignore[method-assign]
-    decisions = {"n": 0}
-
-    def choose(req_ids, caps, base_rows, lags=None, extra_logit_rows=0):  # noqa: ANN001, ANN202
-        decisions["n"] += 1
-        return [0] * len(caps) if decisions["n"] <= 4 else list(caps)  # nothing, then every cap
-
-    adaptive.choose = choose  # type: ignore[method-assign]
-    proposer = llm.engine.runner.proposer
-    ends: list[dict[str, int]] = []
-    propose = proposer.propose
-
-    def spy(batch):  # noqa: ANN001, ANN202
-        drafts = propose(batch)
-        ends.append(dict(proposer.drafter_kv_ends()))
-        return drafts
-
-    proposer.propose = spy  # type: ignore[method-assign]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
-    assert all(llm.engine.scheduler.requests.get(o.request_id) is None for o in outs)
-    assert ends[0] == {str(i): 0 for i in range(4)}  # after the prompts' step: nothing fed
-    assert sum(o.outputs[0].num_draft_tokens for o in outs) > 0  # then they drafted
-    for i in range(4):  # and each was caught up (near max_tokens, with no room to draft, it waits again)
-        assert any(str(i) not in e for e in ends[1:])
 
 
 def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:

@@ -312,9 +312,9 @@ def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name:
             figures.append(_median([r["adaptive"] / r[PLAIN_AT_ADAPTIVE] for r in rounds]))
         interval = ""
         if pinned:
-            figures.append(_median([r["adaptive"] / max(r[m] for m in [*pinned, PLAIN_AT_ADAPTIVE] if m in r)
-                                    for r in rounds]))
-            best, mid, lo, hi = best_mode_ratio(rounds, [m for m in [PLAIN_AT_ADAPTIVE, *pinned] if m in modes])
+            same = [m for m in [PLAIN_AT_ADAPTIVE, *pinned] if m in modes]  # the adaptive server's other modes
+            figures.append(_median([r["adaptive"] / max(r[m] for m in same) for r in rounds]))
+            best, mid, lo, hi = best_mode_ratio(rounds, same)
             interval = f" | {mid:.3f} [{lo:.3f}, {hi:.3f}] ({best})"
         lines.append(f"| {c} | " + " | ".join(f"{tput[m]:.1f}" for m in modes)
                      + "".join(f" | {x:.3f}" for x in figures) + interval + " |")  # fmt: skip

@@ -52,13 +52,21 @@ import numpy as np
 
 
 def expected_tokens(
-    accept: np.ndarray,  # [R, k] conditional acceptance rate per draft position
-    lengths: np.ndarray,  # [R] draft lengths
+    accept: np.ndarray | list[list[float]],  # [R, k] conditional acceptance rate per draft position
+    lengths: np.ndarray | list[int],  # [R] draft lengths
 ) -> float:
-    """Expected tokens the R requests emit in a step that verifies `lengths` drafts each."""
-    gains = np.cumprod(accept, axis=1)  # [R, k]
-    used = np.arange(accept.shape[1])[None, :] < np.asarray(lengths)[:, None]  # [R, k]
-    return float(accept.shape[0] + gains[used].sum())
+    """Expected tokens the R requests emit in a step that verifies `lengths` drafts each (rates
+    clipped to [0, 1]). In plain Python, request by request: the policy calls it between forward
+    passes (`step_rate`), where each numpy call's first touch of cold caches costs more than this
+    loop (~50 us a call at 16 requests through numpy, ~15 this way)."""
+    rows = accept.reshape(len(lengths), -1).tolist() if isinstance(accept, np.ndarray) else accept
+    tokens = float(len(lengths))
+    for row, n in zip(rows, lengths):
+        g = 1.0
+        for j in range(int(n)):
+            g *= min(max(row[j], 0.0), 1.0)
+            tokens += g
+    return tokens
 
 
 def step_rate(
@@ -70,17 +78,8 @@ def step_rate(
     extra_time: float = 0.0,  # anything else the choice costs (a catch-up it starts)
     request_cost: float = 0.0,
 ) -> float:
-    """The objective of a choice: expected tokens per second of a step that drafts `lengths`. In
-    plain Python (`expected_tokens`' sum, request by request): the policy calls it between forward
-    passes, where each numpy call's first touch of cold caches costs more than this loop (~50 us
-    a call at 16 requests through numpy)."""
-    rows = accept.reshape(len(lengths), -1).tolist() if isinstance(accept, np.ndarray) else accept
-    tokens = float(len(lengths))
-    for row, n in zip(rows, lengths):
-        g = 1.0
-        for j in range(n):
-            g *= min(max(row[j], 0.0), 1.0)
-            tokens += g
+    """The objective of a choice: expected tokens per second of a step that drafts `lengths`."""
+    tokens = expected_tokens(accept, lengths)
     depth = max(lengths, default=0)
     drafting = sum(1 for n in lengths if n > 0)
     time = (step_cost[sum(lengths)] + (first_cost + pass_cost * (depth - 1) if depth else 0.0)

@@ -30,8 +30,9 @@ adaptive / best fixed k, adaptive / plain@adaptive and adaptive / the best of pl
 and k=j@adaptive, raw and paired by round, and adaptive against the one same-server mode with the
 highest median, paired, with a 90 % bootstrap interval over the rounds. The mixed workload
 (--mixed) sends, at the same concurrencies, half the requests with `"speculative": false` and half
-with code-like repetitive prompts (which a drafter accepts often). Writes everything to --json and
-a plot to --plot. Asserts nothing; run it on a quiet machine (the figures are ratios measured in
+with code-like repetitive prompts (which a drafter accepts often); --no-chat runs it alone. Writes
+everything to --json and a plot to --plot; --from-json merges saved runs of the same modes (one per
+workload or per concurrency) and prints their tables and plot without running anything. Asserts nothing; run it on a quiet machine (the figures are ratios measured in
 the same run).
 
     python benchmarks/adaptive_spec.py --model phalanx-math \\
@@ -382,6 +383,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2, help="rounds over the modes at each point (median)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dataset", default=None, help="JSONL with question/prompt/text (default: the demo questions)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the chat workload (every request may speculate)")
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the mixed workload (half opted out, half code-like prompts)")
     p.add_argument("--modes", default=None, help="subset of modes, e.g. plain,k=1,adaptive (default: all)")
@@ -395,7 +398,12 @@ def main() -> int:
     p.add_argument("--level-timeout", type=float, default=1800.0, help="ceiling per (mode, workload, c)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: merge the results of these --json files (runs of the same modes, e.g. "
+                        "one per workload or per concurrency) and print their tables and --plot")
     args = p.parse_args()
+    if args.from_json:
+        return report_saved([Path(f) for f in args.from_json], Path(args.plot) if args.plot else None)
     args.concurrency = sorted(int(c) for c in args.concurrency.split(","))
     args.serve_args = args.serve_args.split()
     ks = sorted(int(k) for k in args.ks.split(","))
@@ -405,12 +413,14 @@ def main() -> int:
     for m in [PLAIN_AT_ADAPTIVE, *pinned_modes(modes)]:
         if m in modes and "adaptive" not in modes:
             p.error(f"mode {m} needs mode adaptive")
+    if not (args.chat or args.mixed):
+        p.error("--no-chat with --no-mixed leaves no workload to run")
     spec = json.loads(args.spec)
     if "num_speculative_tokens" in spec or "adaptive" in spec:
         p.error("--spec must leave out num_speculative_tokens and adaptive (the script sets them per mode)")
     n_max = max(args.min_requests, args.requests_per_slot * max(args.concurrency))
     prompts = questions(Path(args.dataset) if args.dataset else DEMO_QUESTIONS, max(n_max, 64))
-    work = {"plain": workload(prompts, [], False, n_max)}
+    work = {"plain": workload(prompts, [], False, n_max)} if args.chat else {}
     if args.mixed:
         work["mixed"] = workload(prompts, code_like_prompts(n_max), True, n_max)
     log_dir = Path("/tmp") / f"adaptive_spec_{int(time.time())}"
@@ -425,14 +435,7 @@ def main() -> int:
 
     print(f"\n{args.model} + {spec}, max_tokens {args.max_tokens}, greedy chat, "
           f"{platform.processor() or platform.machine()}")  # fmt: skip
-    for name in work:
-        print(f"\n{name} workload (output tokens/s)\n" + table(results, modes, name, args.concurrency))
-    if "adaptive" in modes:
-        print("\nadaptive draft lengths chosen (counts per length):")
-        for name in work:
-            for c in args.concurrency:
-                res = results['adaptive'][f'{name}/c{c}']
-                print(f"  {name} c={c}: {res['draft_lengths']}, requests parked {res.get('parked', 0):.0f}")
+    print_tables(results, modes, list(work), args.concurrency)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": args.model, "spec": spec, "ks": ks, "max_tokens": args.max_tokens,
@@ -443,6 +446,54 @@ def main() -> int:
     if args.plot:
         plot(results, modes, list(work), args.concurrency, Path(args.plot), args.model)
     return 0 if all(r["failed"] == 0 for m in results.values() for r in m.values()) else 1
+
+
+def print_tables(results: dict, modes: list[str], names: list[str], levels: list[int]) -> None:
+    for name in names:
+        print(f"\n{name} workload (output tokens/s)\n" + table(results, modes, name, levels))
+    if "adaptive" in modes:
+        print("\nadaptive draft lengths chosen (counts per length):")
+        for name in names:
+            for c in levels:
+                res = results["adaptive"][f"{name}/c{c}"]
+                print(f"  {name} c={c}: {res['draft_lengths']}, requests parked {res.get('parked', 0):.0f}")
+
+
+def merge_saved(docs: list[dict]) -> tuple[dict, list[str], list[str], list[int]]:
+    """One results table from several --json files: their modes must agree; a (workload,
+    concurrency) point measured twice is refused rather than silently overwritten."""
+    modes = list(docs[0]["results"])
+    merged: dict[str, dict[str, Any]] = {m: {} for m in modes}
+    for doc in docs:
+        if list(doc["results"]) != modes:
+            raise ValueError(f"runs measured different modes: {modes} and {list(doc['results'])}")
+        for m, points in doc["results"].items():
+            for point, res in points.items():
+                if point in merged[m]:
+                    raise ValueError(f"point {point} of mode {m} is in more than one file")
+                merged[m][point] = res
+    points = list(merged[modes[0]])
+    names = list(dict.fromkeys(pt.split("/c")[0] for pt in points))
+    levels = sorted({int(pt.split("/c")[1]) for pt in points})
+    for m in modes:
+        missing = [f"{n}/c{c}" for n in names for c in levels if f"{n}/c{c}" not in merged[m]]
+        if missing:
+            raise ValueError(f"mode {m} lacks {missing}: the files do not cover a full grid")
+    return merged, modes, names, levels
+
+
+def report_saved(paths: list[Path], plot_path: Path | None) -> int:
+    docs = [json.loads(path.read_text()) for path in paths]
+    results, modes, names, levels = merge_saved(docs)
+    for doc in docs:
+        meta = doc["meta"]
+        for run in meta.get("runs", [meta]):
+            print(f"run: {run.get('command', '?')} ({run.get('cpu', '?')})")
+    print_tables(results, modes, names, levels)
+    if plot_path:
+        meta = docs[0]["meta"]
+        plot(results, modes, names, levels, plot_path, meta.get("model") or meta["runs"][0]["model"])
+    return 0
 
 
 def _cpu_name() -> str:

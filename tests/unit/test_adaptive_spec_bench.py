@@ -50,3 +50,25 @@ def test_the_best_mode_is_chosen_by_its_median_and_the_interval_holds_the_median
     assert lo <= mid <= hi and 100.0 / 105.0 <= lo and hi <= 100.0 / 95.0
     # the same rounds against the round-by-round maximum: each ratio at or below 1 (biased low)
     assert all(r["adaptive"] / max(r["plain@adaptive"], r["k=3@adaptive"]) <= 1.0 for r in rounds)
+
+
+def test_saved_runs_merge_into_one_grid_and_refuse_overlaps_and_gaps() -> None:
+    import pytest
+
+    from benchmarks.adaptive_spec import merge_saved
+
+    def run(*points: str) -> dict:
+        return {"meta": {}, "results": {m: {p: {"output_throughput": 1.0} for p in points}
+                                        for m in ("adaptive", "plain@adaptive")}}  # fmt: skip
+
+    results, modes, names, levels = merge_saved([run("plain/c1", "plain/c16"), run("mixed/c1", "mixed/c16")])
+    assert modes == ["adaptive", "plain@adaptive"] and names == ["plain", "mixed"] and levels == [1, 16]
+    assert set(results["adaptive"]) == {"plain/c1", "plain/c16", "mixed/c1", "mixed/c16"}
+    with pytest.raises(ValueError, match="more than one file"):
+        merge_saved([run("plain/c1"), run("plain/c1")])
+    with pytest.raises(ValueError, match="full grid"):
+        merge_saved([run("plain/c1", "plain/c4"), run("mixed/c1")])
+    other = run("mixed/c1")
+    other["results"]["k=1@adaptive"] = other["results"].pop("plain@adaptive")
+    with pytest.raises(ValueError, match="different modes"):
+        merge_saved([run("plain/c1"), other])

@@ -94,6 +94,11 @@ def workload(prompts: list[str], code: list[str], mixed: bool, n: int) -> list[t
     return [(prompts[i % len(prompts)], False) if i % 2 == 0 else (code[i % len(code)], True) for i in range(n)]
 
 
+def workload_label(name: str) -> str:
+    """The chat workload is stored under "plain" (every request a plain question) in results files."""
+    return "chat" if name == "plain" else name
+
+
 def chat_body(model: str, prompt: str, speculative: bool, max_tokens: int,
               fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """A greedy chat request for one item: opted out where the item is, else carrying the mode's
@@ -363,7 +368,7 @@ def plot(results: dict, modes: list[str], names: list[str], levels: list[int], p
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("concurrency")
         ax.set_ylabel("output tokens / s")
-        ax.set_title(f"{title}: {name} workload")
+        ax.set_title(f"{title}: {workload_label(name)} workload")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -450,7 +455,7 @@ def main() -> int:
 
 def print_tables(results: dict, modes: list[str], names: list[str], levels: list[int]) -> None:
     for name in names:
-        print(f"\n{name} workload (output tokens/s)\n" + table(results, modes, name, levels))
+        print(f"\n{workload_label(name)} workload (output tokens/s)\n" + table(results, modes, name, levels))
     if "adaptive" in modes:
         print("\nadaptive draft lengths chosen (counts per length):")
         for name in names:

@@ -127,16 +127,6 @@ PROBE_EVERY = 8
 # +3.2 ms where their forward took +0.9, and the policy drafted nothing where drafting one served
 # ~1.1x the tokens a second of drafting nothing (SmolLM2, the mixed workload at 4 requests).
 PROFILE_ROWS = (*range(1, 18), 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
-# The small batches (up to this many rows) are measured until each has `PROFILE_SMALL_REPEATS` runs,
-# the fastest kept, within `PROFILE_SMALL_SECONDS` more: there a marginal decision turns on a row or
-# two, and the round or two the whole grid's time budget allows left them noisy. SmolLM2 with its
-# head on the AVX512-BF16 CPU: 6 rows cost +2.8 ms over 4 in one start-up's profile and +0.7 to +1.5
-# in three others (served steps of that shape: +1.3); priced at +2.8 the policy drafted for one
-# code-like request of two where k = 1 for both ran 1.13x faster (the mixed workload at 4 requests).
-# Each small round takes ~0.35 s on that model and CPU.
-PROFILE_SMALL_ROWS = 17
-PROFILE_SMALL_REPEATS = 6
-PROFILE_SMALL_SECONDS = 1.5
 # The profile measures every grid point up to this many rows whatever it takes (decode batches of up
 # to 16 requests drafting 3 each); past it, once the profile has taken its time budget, it stops at
 # the next point where it may (`profile_may_stop_after`), and the curve beyond is extended (`_interp`:

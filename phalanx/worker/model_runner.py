@@ -39,9 +39,6 @@ from phalanx.spec_decode.adaptive import (
     PROFILE_CONTEXT,
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
-    PROFILE_SMALL_REPEATS,
-    PROFILE_SMALL_ROWS,
-    PROFILE_SMALL_SECONDS,
     StepProfile,
     profile_may_stop_after,
 )
@@ -259,8 +256,7 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_step_curve(
         self, max_rows: int, context: int = PROFILE_CONTEXT, repeats: int = 3, budget_seconds: float = 3.0,
-        retries: int = 2, group: int = 1, small_repeats: int = PROFILE_SMALL_REPEATS,
-        small_seconds: float = PROFILE_SMALL_SECONDS,
+        retries: int = 2, group: int = 1,
     ) -> StepProfile:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
         ones, in blocks of its own while the cache has them) and of the lm_head with greedy picks
@@ -269,10 +265,8 @@ class ModelRunner:
         while the profile has taken under `budget_seconds` (SmolLM2 on 2 AMX cores: 2-3 rounds,
         3-5 s), and where the first round runs past it (a slow CPU), the
         grid ends at the next point where it may (``adaptive.profile_may_stop_after``: at least
-        64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid). Then the
-        small batches (``PROFILE_SMALL_ROWS``) again until each has `small_repeats` runs, within
-        `small_seconds` more. A point that took longer than the next larger one is measured again,
-        up to `retries` times.
+        64 rows; on an AVX2-only CPU here ~4 s instead of 10-17 s for the whole grid). A point
+        that took longer than the next larger one is measured again, up to `retries` times.
         Single runs are not to be trusted where the forward is fast: a run
         whose buffers get fresh pages from the kernel pays for faulting them in (~9 us a 4 KB page
         on a VM here: the lm_head over 192 rows took 45 ms instead of 6 in most calls), and glibc's
@@ -315,11 +309,9 @@ class ModelRunner:
                     grouped[r] = min(grouped.get(r, math.inf), t_grouped)
 
         start = time.perf_counter()
-        kept_rounds = 0
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
             if rep > 1 and time.perf_counter() - start > budget_seconds:
                 break
-            kept_rounds += rep > 0
             for i, r in enumerate(list(grid)):
                 if rep == 0 and r > PROFILE_MIN_ROWS:  # the warm-up covers the rows always measured
                     continue
@@ -328,15 +320,6 @@ class ModelRunner:
                         and profile_may_stop_after(grid, i)):
                     grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)
                     break
-        # The small batches, where a decision turns on a row or two, again: the fastest of
-        # `small_repeats` runs each, as far as `small_seconds` allows (``PROFILE_SMALL_ROWS``).
-        small = [r for r in grid if r <= PROFILE_SMALL_ROWS]
-        small_start = time.perf_counter()
-        for _ in range(small_repeats - kept_rounds):
-            if time.perf_counter() - small_start >= small_seconds:
-                break
-            for r in small:
-                measure(r)
         # A point measured slower than a larger batch was noise (a bigger batch never takes less):
         # measure it again, up to `retries` times, whatever the budget. A slow CPU measures each point
         # once: on Zen 1 a lone 319 ms at 49 rows (64 rows: less) made the curve flat from 49 to 64

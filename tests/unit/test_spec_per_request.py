@@ -610,28 +610,6 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
     assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
 
 
-def test_small_batches_are_profiled_as_the_fastest_of_several_runs_within_a_budget() -> None:
-    """Where a decision turns on a row or two (a few requests, one draft each), one slow run at 6
-    rows priced two draft rows at twice what the served steps took. The small batches are measured
-    until each has `small_repeats` runs, the fastest kept; rows past them are not, and
-    `small_seconds` bounds the extra time."""
-    calls: list[int] = []
-
-    def time_rows(rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
-        calls.append(rows)
-        slow = 2.0 if rows == 6 and calls.count(6) <= 3 else 1.0  # the warm-up and the first rounds
-        return 0.001 * rows * slow, 0.0001 * rows
-
-    runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
-    rows, fwd, *_ = ModelRunner.profile_step_curve(runner, 64, repeats=1, small_repeats=4)  # type: ignore[arg-type]
-    assert fwd[rows.index(6)] == pytest.approx(0.006)  # the fourth kept run was not slow
-    assert calls.count(6) == 5 and calls.count(17) == 5  # warm-up + 4 kept runs
-    assert calls.count(18) == 0 and calls.count(24) == 2  # past the small batches: warm-up and one round
-    calls.clear()
-    ModelRunner.profile_step_curve(runner, 64, repeats=1, small_repeats=4, small_seconds=0.0)  # type: ignore[arg-type]
-    assert calls.count(5) == 2  # no time for more: warm-up and round 1 (6, slower than 7, is retried)
-
-
 def test_the_profile_prices_small_batches_on_the_gemms_own_row_blocks() -> None:
     """oneDNN's AVX512-BF16 GEMM (no AMX) takes rows 6 at a time: a forward over 5 or 6 rows costs
     what 4 does, the 7th row a whole block. The profile measures every small batch, so 4 requests

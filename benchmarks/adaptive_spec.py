@@ -32,8 +32,8 @@ highest median, paired, with a 90 % bootstrap interval over the rounds. The mixe
 (--mixed) sends, at the same concurrencies, half the requests with `"speculative": false` and half
 with code-like repetitive prompts (which a drafter accepts often); --no-chat runs it alone. Writes
 everything to --json and a plot to --plot; --from-json merges saved runs of the same modes (one per
-workload or per concurrency) and prints their tables and plot without running anything. Asserts nothing; run it on a quiet machine (the figures are ratios measured in
-the same run).
+workload or per concurrency) and prints their tables and plot without running anything. Asserts
+nothing; run it on a quiet machine (the figures are ratios measured in the same run).
 
     python benchmarks/adaptive_spec.py --model phalanx-math \\
         --spec '{"method": "eagle", "model": "phalanx-math-eagle"}' \\
@@ -461,7 +461,8 @@ def print_tables(results: dict, modes: list[str], names: list[str], levels: list
         for name in names:
             for c in levels:
                 res = results["adaptive"][f"{name}/c{c}"]
-                print(f"  {name} c={c}: {res['draft_lengths']}, requests parked {res.get('parked', 0):.0f}")
+                print(f"  {workload_label(name)} c={c}: {res['draft_lengths']}, "
+                      f"requests parked {res.get('parked', 0):.0f}")
 
 
 def merge_saved(docs: list[dict]) -> tuple[dict, list[str], list[str], list[int]]:

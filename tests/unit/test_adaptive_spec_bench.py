@@ -3,7 +3,9 @@ paired ratios its table prints (the servers themselves: the benchmark's own runs
 
 from __future__ import annotations
 
-from benchmarks.adaptive_spec import best_mode_ratio, mode_server, table
+import pytest
+
+from benchmarks.adaptive_spec import best_mode_ratio, merge_saved, mode_server, table
 
 
 def test_each_mode_runs_on_its_server_with_its_fields() -> None:
@@ -53,10 +55,6 @@ def test_the_best_mode_is_chosen_by_its_median_and_the_interval_holds_the_median
 
 
 def test_saved_runs_merge_into_one_grid_and_refuse_overlaps_and_gaps() -> None:
-    import pytest
-
-    from benchmarks.adaptive_spec import merge_saved
-
     def run(*points: str) -> dict:
         return {"meta": {}, "results": {m: {p: {"output_throughput": 1.0} for p in points}
                                         for m in ("adaptive", "plain@adaptive")}}  # fmt: skip

@@ -94,6 +94,16 @@ def workload(prompts: list[str], code: list[str], mixed: bool, n: int) -> list[t
     return [(prompts[i % len(prompts)], False) if i % 2 == 0 else (code[i % len(code)], True) for i in range(n)]
 
 
+def point_key(name: str, c: int) -> str:
+    """A results file's key for one workload at one concurrency ("plain/c16")."""
+    return f"{name}/c{c}"
+
+
+def parse_point_key(key: str) -> tuple[str, int]:
+    name, c = key.rsplit("/c", 1)
+    return name, int(c)
+
+
 def workload_label(name: str) -> str:
     """The chat workload is stored under "plain" (every request a plain question) in results files."""
     return "chat" if name == "plain" else name
@@ -287,7 +297,7 @@ def run_all(args: argparse.Namespace, modes: list[str], servers: dict[str, tuple
                 median = ordered[len(ordered) // 2]
                 median["rounds_output_throughput"] = [r["output_throughput"] for r in rounds[mode]]
                 median["rounds_span"] = [r["span"] for r in rounds[mode]]
-                results[mode][f"{name}/c{c}"] = median
+                results[mode][point_key(name, c)] = median
     return results
 
 
@@ -308,7 +318,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]], modes: list[str], name:
     head = "| c | " + " | ".join(f"{m} tok/s" for m in modes) + " | " + " | ".join(columns) + " |"
     lines = [head, "|" + "---|" * (len(modes) + len(columns) + 1)]
     for c in levels:
-        point = {m: results[m][f"{name}/c{c}"] for m in modes}
+        point = {m: results[m][point_key(name, c)] for m in modes}
         tput = {m: point[m]["output_throughput"] for m in modes}
         rounds = [{m: point[m]["rounds_output_throughput"][i] for m in modes}
                   for i in range(min(len(point[m]["rounds_output_throughput"]) for m in modes))]
@@ -362,7 +372,7 @@ def plot(results: dict, modes: list[str], names: list[str], levels: list[int], p
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         for m in modes:
-            ax.plot(levels, [results[m][f"{name}/c{c}"]["output_throughput"] for c in levels], marker="o",
+            ax.plot(levels, [results[m][point_key(name, c)]["output_throughput"] for c in levels], marker="o",
                     label=m, linewidth=2.5 if m == "adaptive" else 1.2)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(c) for c in levels])
@@ -460,7 +470,7 @@ def print_tables(results: dict, modes: list[str], names: list[str], levels: list
         print("\nadaptive draft lengths chosen (counts per length):")
         for name in names:
             for c in levels:
-                res = results["adaptive"][f"{name}/c{c}"]
+                res = results["adaptive"][point_key(name, c)]
                 print(f"  {workload_label(name)} c={c}: {res['draft_lengths']}, "
                       f"requests parked {res.get('parked', 0):.0f}")
 
@@ -478,11 +488,11 @@ def merge_saved(docs: list[dict]) -> tuple[dict, list[str], list[str], list[int]
                 if point in merged[m]:
                     raise ValueError(f"point {point} of mode {m} is in more than one file")
                 merged[m][point] = res
-    points = list(merged[modes[0]])
-    names = list(dict.fromkeys(pt.split("/c")[0] for pt in points))
-    levels = sorted({int(pt.split("/c")[1]) for pt in points})
+    points = [parse_point_key(key) for key in merged[modes[0]]]
+    names = list(dict.fromkeys(name for name, _ in points))
+    levels = sorted({c for _, c in points})
     for m in modes:
-        missing = [f"{n}/c{c}" for n in names for c in levels if f"{n}/c{c}" not in merged[m]]
+        missing = [point_key(n, c) for n in names for c in levels if point_key(n, c) not in merged[m]]
         if missing:
             raise ValueError(f"mode {m} lacks {missing}: the files do not cover a full grid")
     return merged, modes, names, levels

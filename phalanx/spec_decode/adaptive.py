@@ -82,6 +82,16 @@ REUSE_DECISIONS = 4
 # Where drafting every cap wins clearly (the demo's chat, 1.3-1.8x plain decoding) it still
 # stands, and saves the fresh decisions it was made for.
 CORNER_CLEAR_GAIN = 0.15
+# Such a clear decision stands for a batch up to this many grid points of the step-cost fits
+# (`StepCostModel.grid_point`, a quarter of a bandwidth apart: ~19 % of rows + PRIOR_FIXED_ROWS) from
+# its own, not only at its own: a batch whose requests come and go crosses a grid point's edge
+# back and forth (13 and 14 requests lie on either side of one), and each crossing decided afresh.
+# The demo's chat at 16 requests on AMX (steps of ~4 ms, the batch changing every step or two):
+# a third of the decisions were fresh, ~0.27 ms each against ~0.03 for a reused one, every one of
+# them drafting every cap again, and adaptive ran 0.94 of the same server pinned to k = 3. A gain
+# of 15 % or more does not turn into a loss one grid point away; two would reach from 16 requests
+# to 29.
+CORNER_GRID_REACH = 1
 # Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
 # prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
@@ -1187,9 +1197,9 @@ class AdaptiveDrafting:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
         due). One that drafted nothing stands for any batch near its grid point until the next
-        exploration; one that gave every request its cap, until the next exploration too, for any
-        batch near its grid point whose requests it knew have no higher caps and none deeper than
-        its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
+        exploration; one that gave every request its cap and wins clearly, until the next exploration
+        too, for any batch within CORNER_GRID_REACH grid points of its own whose requests it knew
+        have no higher caps and none deeper than its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
         same requests and base rows while the caps that fell still hold its lengths."""
         last = self._last
         if last is None or self._decisions % EXPLORE_EVERY == 0:
@@ -1198,7 +1208,7 @@ class AdaptiveDrafting:
         if not any(last.lengths):
             return [0] * len(caps) if age < EXPLORE_EVERY and last.grid == grid else None
         if last.lengths == last.caps and last.clear:
-            if age >= EXPLORE_EVERY or last.grid != grid:
+            if age >= EXPLORE_EVERY or abs(last.grid - grid) > CORNER_GRID_REACH:
                 return None
             if own_caps == last.caps and key[0] == last.key[0]:  # the same requests (the common case)
                 return list(caps)

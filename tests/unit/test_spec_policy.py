@@ -23,6 +23,7 @@ from hypothesis.extra.numpy import arrays
 
 import phalanx.spec_decode.adaptive as adaptive_module
 from phalanx.spec_decode.adaptive import (
+    CORNER_GRID_REACH,
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
     MIN_DRAFTING_STEPS,
@@ -818,8 +819,28 @@ def test_a_decision_to_draft_every_cap_stands_for_a_changed_batch_near_its_size(
     assert held > REUSE_DECISIONS
     policy.choose(["a", "d"], [3, 3], base_rows=2)  # ... up to the exploration's turn: decided afresh
     assert policy._last is not None and policy._last.lengths == [3, 0]
-    assert policy.choose(["a", "b"], [3, 3], base_rows=8)  # another size: afresh
-    assert policy._last is not None and policy._last.key[1] == 8
+    assert policy.choose(["a", "b"], [3, 3], base_rows=32)  # another size: afresh
+    assert policy._last is not None and policy._last.key[1] == 32
+
+
+def test_a_clear_decision_to_draft_every_cap_stands_one_grid_point_away() -> None:
+    """A batch whose size crosses a grid point's edge back and forth (13 and 14 requests) keeps a
+    clear decision to draft every cap: up to CORNER_GRID_REACH grid points from its own, not
+    further."""
+    policy = _policy_with_costs()
+    for r in "ab":
+        for _ in range(60):
+            policy.observe_verification(r, 3, 3)  # always accepted: drafting wins clearly
+    costs = policy.costs
+    assert costs.grid_point(13) + 1 == costs.grid_point(14) == costs.grid_point(16)
+    far = next(r for r in range(14, 200) if costs.grid_point(r) - costs.grid_point(14) > CORNER_GRID_REACH)
+    assert policy.choose(["a", "b"], [3, 3], base_rows=14) == [3, 3]
+    assert policy._last is not None and policy._last.clear
+    at = policy._last.at
+    for rows in (13, 16, 13, 14):  # one grid point either side: reused
+        assert policy.choose(["a", "b"], [3, 3], base_rows=rows) == [3, 3] and policy._last.at == at
+    policy.choose(["a", "b"], [3, 3], base_rows=far)  # further: afresh
+    assert policy._last.at > at and policy._last.key[1] == far
 
 
 def test_a_marginal_decision_to_draft_every_cap_is_kept_as_briefly_as_any_other(

@@ -96,6 +96,15 @@ CORNER_GRID_REACH = 1
 # what measures the drafter). A fit on the first one or two (the drafter catching up on whole
 # prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
 # four requests then drafted nothing for most of its 48 requests (190 steps where k = 3 took 136).
+# And as many of the window's steps must have run it at about the batch size decided for (their
+# base within the fit's cut: `StepCostModel.drafted_near`): after a spell in which no request could
+# draft (all opted out, or pinned), the window holds no drafter step, the drafting costs stand on
+# priors and memories, and those can price drafting at a loss where it pays. Served, the demo's
+# chat at 32 requests on AMX, run right after 1,024 opted-out requests: its first decisions priced
+# every request drafting 3 at 0.68 of drafting nothing (a drafting request at 0.24 ms, ~6x what
+# the steps of k = 3 measured), a clear loss by the model, so no wide exploration ran, the policy
+# drafted nothing, parked 865 of 1,024 requests, and the round ran 0.70 of k = 3's tokens per
+# second, in three rounds of eight.
 MIN_DRAFTING_STEPS = 8
 # Drafting at all must beat drafting nothing by more than this share of tokens per second: the
 # model's error is not symmetric. On SmolLM2 (AMX, 16 requests decoding, half of them code-like
@@ -455,6 +464,7 @@ class StepCostModel:
         self._grid_step = bandwidth / 2
         self._grid_points: dict[float, int] = {}  # rows -> `grid_point(rows)`
         self._near: dict[int, bool] = {}  # grid point -> some step measured within its cut (as long as the fits)
+        self._drafted: set[int] = set()  # grid points with enough drafting steps near (`drafted_near`; as long as the fits)
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         # The verification's prior (0) weighs one pair of steps, as a pass's does. Weighing 8, served
         # SmolLM2 at concurrency 16 drafted one token for most requests at a loss (0.90x plain):
@@ -627,6 +637,24 @@ class StepCostModel:
             return self.measured
         self._expire()
         return self._near_any(self.grid_point(base_rows))
+
+    def drafted_near(self, base_rows: float, enough: int) -> bool:
+        """Whether at least `enough` steps in the window ran the drafter with their base (rows besides
+        the drafts they verified) within the fit's cut of the grid point that stands for
+        `base_rows`: the steps the drafting costs at this batch size are read from. A yes stands as
+        long as the fits do (`_expire`); a no is asked again at the next decision (the static
+        drafting it leads to adds such steps one a step)."""
+        self._expire()
+        j = self.grid_point(base_rows)
+        if j in self._drafted:
+            return True
+        self._flush()
+        base = self._rows - self._drafts
+        near = np.abs(np.log((base + PRIOR_FIXED_ROWS) / (self._grid_rows(j) + PRIOR_FIXED_ROWS))) <= 2.0 * self.bandwidth
+        if int((np.isfinite(self._step) & (self._passes > 0) & near).sum()) < enough:
+            return False
+        self._drafted.add(j)
+        return True
 
     def _near_any(self, j: int) -> bool:
         """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands
@@ -908,6 +936,7 @@ class StepCostModel:
             self._fits.clear()
             self._curves.clear()
             self._near.clear()
+            self._drafted.clear()
             self._fits_since, self._fits_since_seconds = self._count, self._seconds_seen
 
     def grid_point(self, rows: float) -> int:
@@ -1116,7 +1145,8 @@ class AdaptiveDrafting:
         if not req_ids or top == 0:
             self.last_decision = ""
             return list(caps)
-        if self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows):
+        if (self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows)
+                or not self.costs.drafted_near(base_rows, self.min_drafting_steps)):
             self._quiet_from = None  # drafting every cap
             self.last_decision = "static"
             return list(caps)

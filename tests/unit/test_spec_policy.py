@@ -1323,3 +1323,22 @@ def test_a_few_odd_steps_near_a_batch_size_do_not_set_its_scale() -> None:
             costs.observe(128, 1.9 * shape(128) + 0.004, 0.003, 3, num_draft_rows=96, drafter_rows=64,
                           drafter_pass_rows=64, forward_seconds=1.9 * shape(128), drafting_reqs=32)
     assert costs.fit(32).scale == pytest.approx(1.9, rel=0.12)
+
+
+def test_after_a_spell_without_drafts_a_batch_size_drafts_its_caps_until_the_drafter_is_measured_there(
+) -> None:
+    """A window whose drafter steps aged out (a spell of opted-out traffic) holds nothing the drafting
+    costs at this batch size are read from: every request drafts its cap (static) until
+    MIN_DRAFTING_STEPS drafter steps near it are in the window again, then the policy decides."""
+    policy = AdaptiveDrafting(3, drafter_passes=True)
+    for rows in (2, 4, 6, 8) * 4:  # drafting steps at small batches
+        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1, num_draft_rows=1)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 0)  # "a" never accepts: the policy would draft nothing
+    assert policy.choose(["a"], [3], base_rows=2) == [0] and policy.last_decision == "fresh"
+    for i in range(policy.costs.window):  # a spell of steps without the drafter
+        policy.observe_step(2 + i % 3, 1.0, 0.0, 0)
+    assert policy.choose(["a"], [3], base_rows=2) == [3] and policy.last_decision == "static"
+    for _ in range(MIN_DRAFTING_STEPS):
+        policy.observe_step(5, 1.6, 0.1, 1, num_draft_rows=3)
+    assert policy.choose(["a"], [3], base_rows=2) == [0] and policy.last_decision != "static"

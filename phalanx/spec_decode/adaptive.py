@@ -92,8 +92,8 @@ CORNER_CLEAR_GAIN = 0.15
 # of 15 % or more does not turn into a loss one grid point away; two would reach from 16 requests
 # to 29.
 CORNER_GRID_REACH = 1
-# Until this many steps ran the drafter, every request drafts its cap (static drafting, which is
-# what measures the drafter). A fit on the first one or two (the drafter catching up on whole
+# Until this many steps ran the drafter (with n-gram lookup, which runs none: verified drafts),
+# every request drafts its cap (static drafting, which is what measures the drafter). A fit on the first one or two (the drafter catching up on whole
 # prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
 # four requests then drafted nothing for most of its 48 requests (190 steps where k = 3 took 136).
 # And as many of the window's steps must have run it at about the batch size decided for (their
@@ -101,10 +101,10 @@ CORNER_GRID_REACH = 1
 # draft (all opted out, or pinned), the window holds no drafter step, the drafting costs stand on
 # priors and memories, and those can price drafting at a loss where it pays. Served, the demo's
 # chat at 32 requests on AMX, run right after 1,024 opted-out requests: its first decisions priced
-# every request drafting 3 at 0.68 of drafting nothing (a drafting request at 0.24 ms, ~6x what
-# the steps of k = 3 measured), a clear loss by the model, so no wide exploration ran, the policy
-# drafted nothing, parked 865 of 1,024 requests, and the round ran 0.70 of k = 3's tokens per
-# second, in three rounds of eight.
+# every request drafting 3 at 0.61-0.68 of drafting nothing (a drafting request at 0.24 ms, ~6x
+# what the steps of k = 3 measured), a clear loss by the model, so no wide exploration ran, the
+# policy drafted nothing, parked ~865 of 1,024 requests, and the round ran 0.6-0.8 of k = 3's
+# tokens per second, in two to three rounds of eight.
 MIN_DRAFTING_STEPS = 8
 # Drafting at all must beat drafting nothing by more than this share of tokens per second: the
 # model's error is not symmetric. On SmolLM2 (AMX, 16 requests decoding, half of them code-like
@@ -493,6 +493,7 @@ class StepCostModel:
         self._next = 0
         self._count = 0
         self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
+        self.verifying_steps = 0  # steps that verified drafts (likewise: a lookup's drafting steps)
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
@@ -603,6 +604,7 @@ class StepCostModel:
             return
         self._count += 1
         self.drafting_steps += drafter_passes > 0
+        self.verifying_steps += num_draft_rows > 0
         drafter = max(drafter_seconds, 0.0)
         target = max(seconds - drafter, 0.0)
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
@@ -638,12 +640,13 @@ class StepCostModel:
         self._expire()
         return self._near_any(self.grid_point(base_rows))
 
-    def drafted_near(self, base_rows: float, enough: int) -> bool:
-        """Whether at least `enough` steps in the window ran the drafter with their base (rows besides
-        the drafts they verified) within the fit's cut of the grid point that stands for
-        `base_rows`: the steps the drafting costs at this batch size are read from. A yes stands as
-        long as the fits do (`_expire`); a no is asked again at the next decision (the static
-        drafting it leads to adds such steps one a step)."""
+    def drafted_near(self, base_rows: float, enough: int, passes: bool = True) -> bool:
+        """Whether at least `enough` steps in the window ran the drafter (`passes`; else: verified
+        drafts, a lookup's drafting steps) with their base (rows besides the drafts they verified)
+        within the fit's cut of the grid point that stands for `base_rows`: the steps the drafting
+        costs at this batch size are read from. A yes stands as long as the fits do (`_expire`); a
+        no is asked again at the next decision (the static drafting it leads to adds such steps one
+        a step)."""
         self._expire()
         j = self.grid_point(base_rows)
         if j in self._drafted:
@@ -651,7 +654,8 @@ class StepCostModel:
         self._flush()
         base = self._rows - self._drafts
         near = np.abs(np.log((base + PRIOR_FIXED_ROWS) / (self._grid_rows(j) + PRIOR_FIXED_ROWS))) <= 2.0 * self.bandwidth
-        if int((np.isfinite(self._step) & (self._passes > 0) & near).sum()) < enough:
+        drafting = (self._passes > 0) if passes else (self._drafts > 0)
+        if int((np.isfinite(self._step) & drafting & near).sum()) < enough:
             return False
         self._drafted.add(j)
         return True
@@ -1145,8 +1149,10 @@ class AdaptiveDrafting:
         if not req_ids or top == 0:
             self.last_decision = ""
             return list(caps)
-        if (self.costs.drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows)
-                or not self.costs.drafted_near(base_rows, self.min_drafting_steps)):
+        # (a lookup runs no drafter pass: its drafting steps are those that verified drafts)
+        drafting_steps = self.costs.drafting_steps if self.drafter_passes else self.costs.verifying_steps
+        if (drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows)
+                or not self.costs.drafted_near(base_rows, self.min_drafting_steps, self.drafter_passes)):
             self._quiet_from = None  # drafting every cap
             self.last_decision = "static"
             return list(caps)

@@ -1342,3 +1342,18 @@ def test_after_a_spell_without_drafts_a_batch_size_drafts_its_caps_until_the_dra
     for _ in range(MIN_DRAFTING_STEPS):
         policy.observe_step(5, 1.6, 0.1, 1, num_draft_rows=3)
     assert policy.choose(["a"], [3], base_rows=2) == [0] and policy.last_decision != "static"
+
+
+def test_a_lookup_drafter_decides_once_its_verifications_are_measured() -> None:
+    """n-gram lookup runs no drafter pass: its drafting steps are the steps that verified drafts, so
+    the policy leaves static drafting once MIN_DRAFTING_STEPS of them were measured near the batch
+    (counting drafter passes, it never would: `adaptive` would be static drafting for good)."""
+    policy = AdaptiveDrafting(3, drafter_passes=False)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 0)  # "a" never accepts
+    for i in range(MIN_DRAFTING_STEPS - 1):
+        policy.observe_step(4 + 3 * (i % 2), 0.01 + 0.002 * (i % 2), 0.0, 0, num_draft_rows=3 * (i % 2))
+    assert policy.choose(["a"], [3], base_rows=4) == [3] and policy.last_decision == "static"
+    for i in range(2 * MIN_DRAFTING_STEPS):
+        policy.observe_step(4 + 3 * (i % 2), 0.01 + 0.002 * (i % 2), 0.0, 0, num_draft_rows=3 * (i % 2))
+    assert policy.choose(["a"], [3], base_rows=4) == [0] and policy.last_decision == "fresh"

@@ -92,12 +92,13 @@ CORNER_CLEAR_GAIN = 0.15
 # of 15 % or more does not turn into a loss one grid point away; two would reach from 16 requests
 # to 29.
 CORNER_GRID_REACH = 1
-# Until this many steps ran the drafter (with n-gram lookup, which runs none: verified drafts),
-# every request drafts its cap (static drafting, which is what measures the drafter). A fit on the first one or two (the drafter catching up on whole
+# Until this many of the window's steps ran the drafter (with n-gram lookup, which runs none:
+# verified drafts) with their base (rows besides their drafts) within the fit's cut of the batch
+# decided for (`StepCostModel.drafted_near`), every request drafts its cap (static drafting, which
+# is what measures the drafter). A fit on the first one or two (the drafter catching up on whole
 # prompts, every shape's first run) priced its pass at several times its cost: offline, the demo at
 # four requests then drafted nothing for most of its 48 requests (190 steps where k = 3 took 136).
-# And as many of the window's steps must have run it at about the batch size decided for (their
-# base within the fit's cut: `StepCostModel.drafted_near`): after a spell in which no request could
+# And the window, not the engine's life: after a spell in which no request could
 # draft (all opted out, or pinned), the window holds no drafter step, the drafting costs stand on
 # priors and memories, and those can price drafting at a loss where it pays. Served, the demo's
 # chat at 32 requests on AMX, run right after 1,024 opted-out requests: its first decisions priced
@@ -627,9 +628,11 @@ class StepCostModel:
         self._next = int((self._next + n) % self.window)
         self._pending.clear()
 
-    def _nearness(self, base_rows: float) -> np.ndarray:  # [window] distance in bandwidths
+    def _nearness(self, base_rows: float, rows: np.ndarray | None = None) -> np.ndarray:
+        """[window] each step's rows (or `rows`, one per step) from `base_rows`, in bandwidths."""
         self._flush()
-        return np.log((self._rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
+        rows = self._rows if rows is None else rows
+        return np.log((rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
 
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
@@ -651,9 +654,7 @@ class StepCostModel:
         j = self.grid_point(base_rows)
         if j in self._drafted:
             return True
-        self._flush()
-        base = self._rows - self._drafts
-        near = np.abs(np.log((base + PRIOR_FIXED_ROWS) / (self._grid_rows(j) + PRIOR_FIXED_ROWS))) <= 2.0 * self.bandwidth
+        near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
         drafting = (self._passes > 0) if passes else (self._drafts > 0)
         if int((np.isfinite(self._step) & drafting & near).sum()) < enough:
             return False
@@ -794,7 +795,7 @@ class StepCostModel:
         little, a spell of deep drafts sets it. Kept within [1/2, 2]."""
         x, lg, dr, passes = self._rows, self._logit_rows, self._drafts, self._passes
         base = x - dr
-        near = np.log((base + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
+        near = self._nearness(base_rows, base)
         drafting = (dr > 0) & ~((self._fed - x >= BULK_FEED) & (passes > 0))
         w = np.where(drafting & (np.abs(near) <= 2.0), recency * np.exp(-0.5 * near * near), 0.0)
         pick = np.flatnonzero(w > 0)
@@ -1233,10 +1234,11 @@ class AdaptiveDrafting:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
         due). One that drafted nothing stands for any batch near its grid point until the next
-        exploration; one that gave every request its cap and wins clearly, until the next exploration
-        too, for any batch within CORNER_GRID_REACH grid points of its own whose requests it knew
-        have no higher caps and none deeper than its deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
-        same requests and base rows while the caps that fell still hold its lengths."""
+        exploration; one that gave every request its cap and wins clearly, until the next
+        exploration too, for any batch within CORNER_GRID_REACH grid points of its own whose
+        requests it knew have no higher caps and none deeper than its deepest (a new request gets
+        its cap); any other, for REUSE_DECISIONS decisions, for the same requests and base rows
+        while the caps that fell still hold its lengths."""
         last = self._last
         if last is None or self._decisions % EXPLORE_EVERY == 0:
             return None

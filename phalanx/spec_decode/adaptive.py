@@ -146,15 +146,7 @@ PROBE_EVERY = 8
 # from 4 to 8 rows, 4 requests verifying one draft each for two of them (6 rows) were priced at
 # +3.2 ms where their forward took +0.9, and the policy drafted nothing where drafting one served
 # ~1.1x the tokens a second of drafting nothing (SmolLM2, the mixed workload at 4 requests).
-PROFILE_SMALL_ROWS = 17
-PROFILE_ROWS = (*range(1, PROFILE_SMALL_ROWS + 1), 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
-# Each of those small batches is the fastest of at least this many runs, whatever the time budget
-# (they take a few ms each: ~0.5 s more on SmolLM2 with an AVX512-BF16 CPU). Their differences are a
-# draft row's price where one draft more or less is the decision, and the fastest of the two or three
-# runs the budget allows there varied by ~0.7 ms at 5 and 6 rows between start-ups: one profile
-# priced 4 requests verifying one draft for two of them at +1.5 ms of forward (served: +0.7), and the
-# policy drafted nothing at 4 requests where one draft each served ~1.1x the tokens a second.
-PROFILE_SMALL_REPEATS = 6
+PROFILE_ROWS = (*range(1, 18), 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 192, 193, 256)
 # The profile measures every grid point up to this many rows whatever it takes (decode batches of up
 # to 16 requests drafting 3 each); past it, once the profile has taken its time budget, it stops at
 # the next point where it may (`profile_may_stop_after`), and the curve beyond is extended (`_interp`:

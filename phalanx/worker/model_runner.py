@@ -39,8 +39,6 @@ from phalanx.spec_decode.adaptive import (
     PROFILE_CONTEXT,
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
-    PROFILE_SMALL_REPEATS,
-    PROFILE_SMALL_ROWS,
     StepProfile,
     profile_may_stop_after,
 )
@@ -263,8 +261,7 @@ class ModelRunner:
         """Seconds of the target forward over r decode rows (each one token after `context` cached
         ones, in blocks of its own while the cache has them) and of the lm_head with greedy picks
         over r rows, for r on the grid `PROFILE_ROWS` up to `max_rows`: the fastest of `repeats`
-        rounds over the grid (of PROFILE_SMALL_REPEATS at least up to PROFILE_SMALL_ROWS rows),
-        after a warm-up round up to 64 rows; rounds after the first only
+        rounds over the grid, after a warm-up round up to 64 rows; rounds after the first only
         while the profile has taken under `budget_seconds` (SmolLM2 on 2 AMX cores: 2-3 rounds,
         3-5 s), and where the first round runs past it (a slow CPU), the
         grid ends at the next point where it may (``adaptive.profile_may_stop_after``: at least
@@ -312,11 +309,9 @@ class ModelRunner:
                     grouped[r] = min(grouped.get(r, math.inf), t_grouped)
 
         start = time.perf_counter()
-        rounds = 0  # kept
         for rep in range(repeats + 1):  # round 0 warms the kernels and the allocator up and is not kept
             if rep > 1 and time.perf_counter() - start > budget_seconds:
                 break
-            rounds += rep > 0
             for i, r in enumerate(list(grid)):
                 if rep == 0 and r > PROFILE_MIN_ROWS:  # the warm-up covers the rows always measured
                     continue
@@ -325,11 +320,6 @@ class ModelRunner:
                         and profile_may_stop_after(grid, i)):
                     grid = grid[: i + 1]  # the rest of the grid: extended (``adaptive._interp``)
                     break
-        # the small batches, where a draft row's price decides, the fastest of PROFILE_SMALL_REPEATS runs
-        for _ in range(PROFILE_SMALL_REPEATS - rounds):
-            for r in grid:
-                if r <= PROFILE_SMALL_ROWS:
-                    measure(r)
         # A point measured slower than a larger batch was noise (a bigger batch never takes less):
         # measure it again, up to `retries` times, whatever the budget. A slow CPU measures each point
         # once: on Zen 1 a lone 319 ms at 49 rows (64 rows: less) made the curve flat from 49 to 64

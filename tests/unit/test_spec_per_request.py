@@ -40,8 +40,6 @@ from phalanx.spec_decode.adaptive import (
     MIN_DRAFTING_STEPS,
     PROFILE_MIN_ROWS,
     PROFILE_ROWS,
-    PROFILE_SMALL_REPEATS,
-    PROFILE_SMALL_ROWS,
     StepCostModel,
     StepProfile,
     profile_may_stop_after,
@@ -610,28 +608,6 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
                             _time_rows=lambda rows, blocks, context, group=1: (1.0 if rows == 49 else 0.01 * rows, 0.0))
     rows, fwd, *_ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
     assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
-
-
-def test_small_batches_are_the_fastest_of_several_runs_whatever_the_budget() -> None:
-    """Where one draft row more or less is the decision (up to PROFILE_SMALL_ROWS rows), each point
-    is the fastest of PROFILE_SMALL_REPEATS runs even when the time budget allows one round: a slow
-    first run at 6 rows (a noisy neighbour) is measured away; larger batches keep the budget's
-    rounds."""
-    calls: list[int] = []
-
-    def time_rows(rows: int, blocks: int, context: int, group: int = 1) -> tuple[float, float]:
-        calls.append(rows)
-        spike = 1.5 if rows == 6 and calls.count(6) <= 3 else 1.0  # the warm-up and the first two kept runs
-        return 0.001 * (10 + rows) * spike, 0.0001 * rows
-
-    runner = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64, _time_rows=time_rows)
-    rows, fwd, *_ = ModelRunner.profile_step_curve(runner, 64, repeats=1, budget_seconds=0.0)  # type: ignore[arg-type]
-    assert fwd[rows.index(6)] == pytest.approx(0.016)
-    assert all(calls.count(r) == 1 + PROFILE_SMALL_REPEATS for r in range(1, PROFILE_SMALL_ROWS + 1))
-    assert calls.count(24) == 2  # the warm-up and one round
-    calls.clear()
-    ModelRunner.profile_step_curve(runner, 64, repeats=PROFILE_SMALL_REPEATS + 2, budget_seconds=1e9)  # type: ignore[arg-type]
-    assert calls.count(5) == calls.count(24) == PROFILE_SMALL_REPEATS + 3  # time to spare: every round
 
 
 def test_the_profile_prices_small_batches_on_the_gemms_own_row_blocks() -> None:

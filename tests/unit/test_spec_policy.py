@@ -1344,32 +1344,6 @@ def test_after_a_spell_without_drafts_a_batch_size_drafts_its_caps_until_the_dra
     assert policy.choose(["a"], [3], base_rows=2) == [0] and policy.last_decision != "static"
 
 
-def test_parking_outlasts_the_static_steps_of_a_drafter_measured_long_ago() -> None:
-    """After PARK_AFTER decisions that drafted nothing the policy parks; a spell of opted-out steps
-    then ages the drafter's steps out of the window, and the next request drafts its caps (static)
-    until MIN_DRAFTING_STEPS drafter steps are measured again. Those static steps decide nothing:
-    parking goes on through them, and ends only where a decision drafts. Too little measured at all
-    (no step near the batch) is another matter: static drafting ends the streak there."""
-    policy = AdaptiveDrafting(3, drafter_passes=True)
-    for rows in (2, 4, 6, 8) * 4:  # drafting steps at small batches: a row costs a fifth of a step
-        policy.observe_step(rows, 0.6 + 0.2 * rows, 0.1, 1, num_draft_rows=1)
-    for _ in range(30):
-        policy.observe_verification("a", 3, 0)  # "a" never accepts: the policy drafts nothing
-    for _ in range(PARK_AFTER):
-        policy.choose(["a"], [3], base_rows=2)
-    assert policy.parks(2)
-    for i in range(policy.costs.window):  # a spell of steps without the drafter
-        policy.observe_step(2 + i % 3, 1.0, 0.0, 0)
-    assert policy.choose(["a"], [3], base_rows=2) == [3] and policy.last_decision == "static"
-    assert policy.parks(2)
-    for _ in range(MIN_DRAFTING_STEPS):
-        policy.observe_step(3, 1.3, 0.1, 1, num_draft_rows=1)
-    assert policy.choose(["a"], [3], base_rows=2) == [0] and policy.last_decision != "static"
-    assert policy.parks(2)
-    assert policy.choose(["a"], [3], base_rows=500) == [3] and policy.last_decision == "static"  # nothing near
-    assert not policy.parks(2)
-
-
 def test_a_lookup_drafter_decides_once_its_verifications_are_measured() -> None:
     """n-gram lookup runs no drafter pass: its drafting steps are the steps that verified drafts, so
     the policy leaves static drafting once MIN_DRAFTING_STEPS of them were measured near the batch

@@ -656,7 +656,10 @@ class StepCostModel:
             return True
         near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
         drafting = (self._passes > 0) if passes else (self._drafts > 0)
-        if int((np.isfinite(self._step) & drafting & near).sum()) < enough:
+        # Decode steps only: a step that also ran prompt rows or a drafter catch-up (BULK_FEED
+        # positions) tells little of what drafting costs, being mostly the rest.
+        clean = (self._rows - self._logit_rows < BULK_FEED) & (self._fed - self._rows < BULK_FEED)
+        if int((np.isfinite(self._step) & drafting & near & clean).sum()) < enough:
             return False
         self._drafted.add(j)
         return True

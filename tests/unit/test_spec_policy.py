@@ -1349,15 +1349,26 @@ def test_only_decode_steps_count_as_the_drafter_measured_near_a_batch() -> None:
     """`drafted_near` counts steps that ran the drafter on decode rows alone: a step that also ran
     a prompt chunk or fed the drafter a catch-up (BULK_FEED positions or more) is mostly that work,
     and a round of new requests opens with such steps. Priced on them, the demo's first round at 16
-    requests after rounds at one drafted nothing where k = 3 ran ~1.3x plain."""
-    costs = StepCostModel()
-    for _ in range(2 * MIN_DRAFTING_STEPS):
-        costs.observe(16 + 48, 0.004, 0.001, 3, num_logit_rows=16 + 48 - 40, num_draft_rows=48 - 40)  # a prompt chunk
-        costs.observe(16 + 48, 0.004, 0.002, 3, num_draft_rows=48, drafter_rows=16 + 48 + BULK_FEED)  # a catch-up
-    assert not costs.drafted_near(16, MIN_DRAFTING_STEPS)
-    for _ in range(MIN_DRAFTING_STEPS):
+    requests after rounds at one drafted nothing, at ~0.6 of k = 3's tokens a second. Each kind of
+    step below lies near 16 rows (its base within the fit's cut) and ran the drafter."""
+    def prompt_chunk(costs: StepCostModel) -> None:  # 8 requests drafting 3 each, 36 prompt rows
+        costs.observe(8 + 36 + 24, 0.004, 0.001, 3, num_logit_rows=8 + 24, num_draft_rows=24)
+
+    def catch_up(costs: StepCostModel) -> None:  # 16 requests drafting 3 each, the drafter catching up
+        costs.observe(16 + 48, 0.004, 0.002, 3, num_draft_rows=48, drafter_rows=16 + 48 + BULK_FEED)
+
+    def decoding(costs: StepCostModel) -> None:
         costs.observe(16 + 48, 0.003, 0.001, 3, num_draft_rows=48)
-    assert costs.drafted_near(16, MIN_DRAFTING_STEPS)
+
+    for kind in (prompt_chunk, catch_up):
+        costs = StepCostModel()
+        for _ in range(2 * MIN_DRAFTING_STEPS):
+            kind(costs)
+        assert costs.drafting_steps == 2 * MIN_DRAFTING_STEPS
+        assert not costs.drafted_near(16, MIN_DRAFTING_STEPS)
+        for _ in range(MIN_DRAFTING_STEPS):
+            decoding(costs)
+        assert costs.drafted_near(16, MIN_DRAFTING_STEPS)
 
 
 def test_a_lookup_drafter_decides_once_its_verifications_are_measured() -> None:

@@ -494,7 +494,6 @@ class StepCostModel:
         self._next = 0
         self._count = 0
         self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
-        self.verifying_steps = 0  # steps that verified drafts (likewise: a lookup's drafting steps)
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
@@ -605,7 +604,6 @@ class StepCostModel:
             return
         self._count += 1
         self.drafting_steps += drafter_passes > 0
-        self.verifying_steps += num_draft_rows > 0
         drafter = max(drafter_seconds, 0.0)
         target = max(seconds - drafter, 0.0)
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
@@ -634,6 +632,11 @@ class StepCostModel:
         rows = self._rows if rows is None else rows
         return np.log((rows + PRIOR_FIXED_ROWS) / (base_rows + PRIOR_FIXED_ROWS)) / self.bandwidth
 
+    def _caught_up(self) -> np.ndarray:
+        """[window] the steps whose drafter's first pass fed BULK_FEED positions or more beyond the
+        step's rows: a catch-up (or a prompt) in the drafter, priced apart (`catch_up_row`)."""
+        return (self._fed - self._rows >= BULK_FEED) & (self._passes > 0)
+
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
         that stands for `base_rows` (`grid_point`). With a profile, whether any step was measured: the
@@ -661,7 +664,7 @@ class StepCostModel:
         # new requests opens with such steps, and priced on them the demo's first round at 16
         # requests after rounds at one (AVX512-BF16) read drafting 3 at 0.82 of drafting nothing,
         # drafted nothing and parked 387 of 512 requests, at ~0.6 of k = 3's tokens a second.
-        clean = (self._rows - self._logit_rows < BULK_FEED) & (self._fed - self._rows < BULK_FEED)
+        clean = (self._rows - self._logit_rows < BULK_FEED) & ~self._caught_up()
         if int((np.isfinite(self._step) & drafting & near & clean).sum()) < enough:
             return False
         self._drafted.add(j)
@@ -802,7 +805,7 @@ class StepCostModel:
         x, lg, dr, passes = self._rows, self._logit_rows, self._drafts, self._passes
         base = x - dr
         near = self._nearness(base_rows, base)
-        drafting = (dr > 0) & ~((self._fed - x >= BULK_FEED) & (passes > 0))
+        drafting = (dr > 0) & ~self._caught_up()
         w = np.where(drafting & (np.abs(near) <= 2.0), recency * np.exp(-0.5 * near * near), 0.0)
         pick = np.flatnonzero(w > 0)
         if pick.size == 0:
@@ -1156,9 +1159,9 @@ class AdaptiveDrafting:
         if not req_ids or top == 0:
             self.last_decision = ""
             return list(caps)
-        # (a lookup runs no drafter pass: its drafting steps are those that verified drafts)
-        drafting_steps = self.costs.drafting_steps if self.drafter_passes else self.costs.verifying_steps
-        if (drafting_steps < self.min_drafting_steps or not self.costs.measured_near(base_rows)
+        # (`drafted_near` asks for min_drafting_steps of the window's steps, so of the engine's life
+        # too; a lookup runs no drafter pass: its drafting steps are those that verified drafts)
+        if (not self.costs.measured_near(base_rows)
                 or not self.costs.drafted_near(base_rows, self.min_drafting_steps, self.drafter_passes)):
             self._quiet_from = None  # drafting every cap
             self.last_decision = "static"

@@ -178,12 +178,15 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token_id}")
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Token ids that index the logits (`logit_bias` keys) must be in the vocabulary."""
-        bad_ids = [t for t in self.logit_bias or {} if t >= vocab_size]
-        if bad_ids:
-            raise ValueError(
-                f"logit_bias token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
-            )
+        """Token ids that index the logits (`logit_bias` keys) or must be sampled to count
+        (`stop_token_ids`: one outside the vocabulary could never stop anything) must be in the
+        vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad_ids = [t for t in ids if t >= vocab_size]
+            if bad_ids:
+                raise ValueError(
+                    f"{name} token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
+                )
 
     def check_speculation(self, num_speculative_tokens: int, adaptive: bool = False) -> None:
         """`num_speculative_tokens` must be within the engine's k (0: an engine without speculative

@@ -122,6 +122,11 @@ class EngineCore:
         params.check_speculation(self.num_speculative_tokens, self.adaptive is not None)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens is {params.min_tokens}, but max_model_len {self.max_model_len} leaves {room} tokens "
+                f"after the prompt's {len(request.prompt_token_ids)}; reduce min_tokens"
+            )
         produced = request.output_token_ids
         if produced:
             validate_resumed_tokens(produced, self.cfg.model.vocab_size, max_tokens)

@@ -264,15 +264,20 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             return False
         before = len(child.token_ids) - len(out.new_token_ids)
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and new_ids and not child.params.include_stop_str_in_output:
+            # As vLLM: the token that stopped the request (EOS or one of `stop_token_ids`) stays in
+            # token_ids, and its text stays out of the output unless include_stop_str_in_output.
+            new_ids = new_ids[:-1]
         min_tokens = child.params.min_tokens
         if before < min_tokens:
             # As vLLM: stop strings only count in text of tokens past the first `min_tokens`; the
             # text of those first tokens is released unchecked.
-            head = min(min_tokens - before, len(out.new_token_ids))
-            child.text += child.detok.add_tokens(out.new_token_ids[:head])
-            delta = child.detok.add_tokens(out.new_token_ids[head:])
+            head = min(min_tokens - before, len(new_ids))
+            child.text += child.detok.add_tokens(new_ids[:head])
+            delta = child.detok.add_tokens(new_ids[head:])
         else:
-            delta = child.detok.add_tokens(out.new_token_ids)
+            delta = child.detok.add_tokens(new_ids)
         if engine_finished:
             delta += child.detok.flush()
         emit, matched = child.stop.process(delta)

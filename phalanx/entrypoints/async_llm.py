@@ -158,9 +158,12 @@ class AsyncLLM:
         for cid, _ in engine_reqs:
             self._child_to_parent[cid] = request_id
         finished = False
+        # The samples of an n > 1 request share its prompt: one computes it, the others wait for its
+        # cached blocks (the scheduler's group rule), as offline.
+        group = request_id if len(engine_reqs) > 1 else None
         try:
             self.client.add_requests(
-                [EngineCoreRequest(cid, list(prompt_token_ids), p, stream.arrival) for cid, p in engine_reqs],
+                [EngineCoreRequest(cid, list(prompt_token_ids), p, stream.arrival, group) for cid, p in engine_reqs],
                 self._wait_s,
             )
             while True:
@@ -361,8 +364,9 @@ class AsyncLLM:
                     f"the request was in flight on engine ranks that failed {self.recovery.max_replays + 1} "
                     "times; it is not replayed again"))
                 continue
+            group = parent if len(replays) > 1 else None
             requests = [
-                EngineCoreRequest(r.engine_id, r.prompt_token_ids, r.params, stream.arrival,
+                EngineCoreRequest(r.engine_id, r.prompt_token_ids, r.params, stream.arrival, group,
                                   output_token_ids=r.output_token_ids)
                 for r in replays
             ]

@@ -128,7 +128,9 @@ class ModelRunner:
         self.aux_layer_ids = self.proposer.aux_layer_ids if self.proposer is not None else ()
         self._pass_sizes: tuple[int, ...] | None = None  # this step's voted drafter pass sizes
         self.eos_token_ids = set(cfg.model.eos_token_ids)
-        self.sampler = Sampler(cfg.seed)
+        # Each data-parallel rank draws unseeded rows from its own stream: with one seed, two idle ranks
+        # given the same unseeded request at once would sample the same "random" completion.
+        self.sampler = Sampler(cfg.seed + par.data_parallel_rank)
         self._argmax = cpu_ops.argmax_fn(cfg.model.dtype)  # greedy picks over model-dtype logits
         self.requests: dict[str, RunnerRequestState] = {}
         self.num_tokens_run = 0  # tokens through the target forward, for tests and stats

@@ -112,6 +112,17 @@ def test_stop_strings_and_stop_tokens(model_dir: Path) -> None:
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok]), use_tqdm=False)
     c = out[0].outputs[0]
     assert c.token_ids == ids[: ids.index(stop_tok) + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
+    # As vLLM: the stop token is in token_ids, its text only with include_stop_str_in_output.
+    cut_at = ids.index(stop_tok)
+    before_text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=cut_at, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].text
+    with_text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=cut_at + 1, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].text
+    assert with_text != before_text
+    assert c.text == before_text
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.token_ids == c.token_ids and kept.text == with_text
     # A stop string taken from the middle of the free-running text cuts the text right there.
     stop = middle_stop_string(text)
     cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)
@@ -134,6 +145,12 @@ def test_min_tokens_and_max_tokens(model_dir: Path) -> None:
     )[0].outputs[0]
     assert len(out.token_ids) >= 4 and first not in out.token_ids[:3]
     assert len(llm.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    # min_tokens beyond the room the context leaves after the prompt is refused, not run to the end
+    # of the context with EOS banned.
+    room = llm.engine.max_model_len - len(prompt[0]["prompt_token_ids"])
+    with pytest.raises(ValueError, match=f"min_tokens is {room + 1}.* leaves {room} tokens"):
+        llm.generate(prompt, SamplingParams(min_tokens=room + 1, max_tokens=None), use_tqdm=False)
+    assert len(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs) == 1
 
 
 def test_prompt_logprobs(model_dir: Path) -> None:
@@ -190,3 +207,30 @@ def test_request_metrics_time_the_request(model_dir: Path) -> None:
         assert t0 <= m["arrival_time"] <= m["first_token_time"] <= m["last_token_time"] <= m["finished_time"] <= t1
     assert outs[0].metrics["first_token_time"] == outs[0].metrics["last_token_time"]
     assert outs[1].metrics["last_token_time"] > outs[1].metrics["first_token_time"]
+
+
+def test_data_parallel_ranks_draw_unseeded_rows_from_their_own_streams(model_dir: Path) -> None:
+    """Two ranks of `-dp 2` given the same unseeded request at once sampled the same "random"
+    completion (one engine seed for every rank); each rank now seeds its own stream. A seeded
+    request is the same on either rank (its own generator)."""
+    import dataclasses
+
+    from phalanx.engine.args import EngineArgs
+    from phalanx.engine.engine_core import EngineCore, EngineCoreRequest
+
+    config = EngineArgs(model=str(model_dir), dtype="float32").create_engine_config()
+    ids = _prompts([8], seed=3)[0]["prompt_token_ids"]
+
+    def sample(rank: int, seed: int | None) -> list[int]:
+        par = dataclasses.replace(config.parallel, data_parallel_size=2, data_parallel_rank=rank)
+        core = EngineCore(dataclasses.replace(config, parallel=par))
+        core.add_request(EngineCoreRequest("r", ids, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True,
+                                                                   seed=seed)))
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for o in core.step():
+                tokens += o.new_token_ids
+        return tokens
+
+    assert sample(0, None) != sample(1, None)
+    assert sample(0, 7) == sample(1, 7)

@@ -108,7 +108,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted and not used, as in vLLM (docs/api-limits.md)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_spec_stats: bool = False

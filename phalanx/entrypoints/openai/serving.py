@@ -117,6 +117,13 @@ class OpenAIServing:
                     f"were requested ({len(p.token_ids)} in the prompt, {requested} in the completion); reduce "
                     "the prompt or max_tokens"
                 )
+            if req.min_tokens > limit - len(p.token_ids):
+                raise APIError(
+                    400,
+                    f"min_tokens is {req.min_tokens}, but this model's maximum context length of {limit} tokens "
+                    f"leaves {limit - len(p.token_ids)} after the prompt's {len(p.token_ids)}; reduce min_tokens",
+                    param="min_tokens",
+                )
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:

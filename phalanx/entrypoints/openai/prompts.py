@@ -132,10 +132,12 @@ class PromptPreparer:
         add_generation_prompt: bool,
         continue_final_message: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        add_special_tokens: bool = False,
     ) -> Prompt:
-        """Rendered and tokenized (the template carries the special tokens: none are added)."""
+        """Rendered and tokenized (the template carries the special tokens: none are added, unless
+        `add_special_tokens`, which `/tokenize` may ask for, as vLLM's does)."""
         text = await self.render_chat(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
-        return await self.encode(text, add_special_tokens=False, param="messages")
+        return await self.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self.run(lambda tok: tok.decode(token_ids))

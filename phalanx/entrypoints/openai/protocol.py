@@ -31,7 +31,7 @@ one). None of them changes the output, only its speed.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -210,13 +210,19 @@ class CompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Strict):
+    """vLLM's two forms in one body: `prompt` (special tokens added by default, as a completions
+    prompt is) or `messages` (rendered by the chat template, which carries its special tokens: none
+    added by default, as a chat request's prompt). The template's fields belong to `messages`."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: True with `prompt`, False with `messages`
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    CHAT_ONLY: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 
 class DetokenizeRequest(_Strict):

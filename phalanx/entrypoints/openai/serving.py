@@ -69,13 +69,14 @@ class OpenAIServing:
         self.prompts = PromptPreparer(tokenizer, engine.max_model_len)
 
     # ---- prompts ----------------------------------------------------------------------------
-    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+    async def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = False) -> Prompt:
         assert req.messages is not None
         return await self.prompts.chat_prompt(
             [m.as_template_dict() for m in req.messages],
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            add_special_tokens,
         )
 
     def _params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:

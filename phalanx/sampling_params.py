@@ -12,6 +12,15 @@ import math
 from dataclasses import dataclass, field
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter outside what is valid; `param` names it (the server's 400 body carries
+    it as OpenAI's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:  # (a default: unpickling passes the message only)
+        super().__init__(message)
+        self.param = param
+
+
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
     if value is None:
         return []
@@ -20,7 +29,7 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
     out = list(value)
     for s in out:
         if not isinstance(s, str) or s == "":
-            raise ValueError(f"{name} must contain non-empty strings, got {s!r}")
+            raise SamplingParamError(f"{name} must contain non-empty strings, got {s!r}", name)
     return out
 
 
@@ -111,7 +120,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, valid: str) -> ValueError:
-            return ValueError(f"{name} must be {valid}, got {getattr(self, name)!r}")
+            return SamplingParamError(f"{name} must be {valid}, got {getattr(self, name)!r}", name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
@@ -136,8 +145,8 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise SamplingParamError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens"
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "None or an integer >= 0")
@@ -153,29 +162,33 @@ class SamplingParams:
         if j is not None and (isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= INT64_MAX):
             raise bad("num_speculative_tokens", "None or an integer >= 0 (at most the engine's k)")
         if not self.speculative and j:
-            raise ValueError(
+            raise SamplingParamError(
                 f"num_speculative_tokens={j} contradicts speculative=False (which means no drafts); "
-                "give one or the other"
+                "give one or the other", "num_speculative_tokens"
             )
         if self.speculative_adaptive is not None and not isinstance(self.speculative_adaptive, bool):
             raise bad("speculative_adaptive", "None, true or false")
         if not self.speculative and self.speculative_adaptive is not None:
-            raise ValueError(
+            raise SamplingParamError(
                 f"speculative_adaptive={self.speculative_adaptive} contradicts speculative=False (which means "
-                "no drafts); give one or the other"
+                "no drafts); give one or the other", "speculative_adaptive"
             )
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t <= INT64_MAX:
-                raise ValueError(f"stop_token_ids must be non-negative 64-bit integers, got {t!r}")
+                raise SamplingParamError(f"stop_token_ids must be non-negative 64-bit integers, got {t!r}",
+                                         "stop_token_ids")
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not INT64_MIN <= value <= INT64_MAX:
                 raise bad(name, f"a 64-bit integer (in [{INT64_MIN}, {INT64_MAX}])")
         for token_id, bias in (self.logit_bias or {}).items():
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= INT64_MAX:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+                raise SamplingParamError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}",
+                                         "logit_bias")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token_id}")
+                raise SamplingParamError(
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token_id}", "logit_bias"
+                )
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Token ids that index the logits (`logit_bias` keys) or must be sampled to count
@@ -184,8 +197,8 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
             bad_ids = [t for t in ids if t >= vocab_size]
             if bad_ids:
-                raise ValueError(
-                    f"{name} token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
+                raise SamplingParamError(
+                    f"{name} token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}", name
                 )
 
     def check_speculation(self, num_speculative_tokens: int, adaptive: bool = False) -> None:

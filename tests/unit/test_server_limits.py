@@ -59,13 +59,18 @@ OVER_LIMITS: list[tuple[str, dict[str, Any], str, str | None]] = [
     (COMPLETIONS, {"prompt": [5, 6], "stop": ["y", "x" * (MAX_STOP_STRING_CHARS + 1)]}, "at most 128", "stop"),
     (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}, "at most", "stop_token_ids"),
     (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [BIG]}, "stop_token_ids", "stop_token_ids.0"),
-    (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [5, VOCAB]}, "stop_token_ids token id 2048 is outside", None),
+    (COMPLETIONS, {"prompt": [5, 6], "stop_token_ids": [5, VOCAB]}, "stop_token_ids token id 2048 is outside",
+     "stop_token_ids"),
+    # a sampling parameter's own range (SamplingParams): the 400 names it in `param` too
+    (COMPLETIONS, {"prompt": [5, 6], "top_p": 0}, "top_p must be in (0, 1]", "top_p"),
+    (CHAT, {"messages": MSGS, "temperature": -0.5}, "temperature must be", "temperature"),
+    (COMPLETIONS, {"prompt": [5, 6], "max_tokens": 2, "min_tokens": 3}, "must be <= max_tokens", "min_tokens"),
     # no max_tokens: the room after the prompt bounds min_tokens (it used to run to the context's end
     # with EOS banned)
     (CHAT, {"messages": MSGS, "min_tokens": MAX_MODEL_LEN}, "reduce min_tokens", "min_tokens"),
     (CHAT, {"messages": MSGS, "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "at most", "logit_bias"),
-    (CHAT, {"messages": MSGS, "logit_bias": {"5": 100.5}}, "[-100, 100]", None),
-    (CHAT, {"messages": MSGS, "logit_bias": {str(VOCAB): 1}}, "outside the vocabulary", None),
+    (CHAT, {"messages": MSGS, "logit_bias": {"5": 100.5}}, "[-100, 100]", "logit_bias"),
+    (CHAT, {"messages": MSGS, "logit_bias": {str(VOCAB): 1}}, "outside the vocabulary", "logit_bias"),
     (CHAT, {"messages": MSGS, "logit_bias": {"five": 1}}, "logit_bias", None),
     (COMPLETIONS, {"prompt": [5, 6], "logprobs": MAX_LOGPROBS + 1}, "logprobs", None),
     (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs", None),

@@ -29,7 +29,6 @@ import phalanx
 from phalanx.engine.core_client import EngineDeadError
 from phalanx.engine.metrics import ServingMetrics
 from phalanx.entrypoints.async_llm import AsyncLLM
-from phalanx.entrypoints.openai.prompts import PromptError
 from phalanx.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -214,7 +213,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return _error_response(APIError(400, str(exc), param=exc.param if isinstance(exc, PromptError) else None))
+        # a prompt's or a sampling parameter's error names its field (`PromptError`, `SamplingParamError`)
+        return _error_response(APIError(400, str(exc), param=getattr(exc, "param", None)))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from phalanx.checkpoint import SMOLLM2
-from phalanx.cli_types import json_object_arg
+from phalanx.cli_types import json_object_arg, non_negative_float
 
 DEFAULT_MODEL = SMOLLM2
 # Speculative decoding `phalanx serve` turns on by itself when it serves DEFAULT_MODEL (None: none):
@@ -208,7 +208,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     p.add_argument(
         "--log-stats-interval",
-        type=float,
+        type=non_negative_float,
         default=10.0,
         help="seconds between throughput / KV-cache / acceptance log lines while busy (0 = off)",
     )

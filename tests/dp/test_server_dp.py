@@ -29,7 +29,7 @@ from phalanx import LLM, SamplingParams
 from phalanx.engine.core_process import STEP_DELAY_ENV
 from phalanx.net import free_listen_ports
 from tests.dp.harness import process_alive
-from tests.e2e.conftest import MODEL_NAME, serve_command, start_server
+from tests.e2e.conftest import MODEL_NAME, ServerProcess, serve_command, start_server
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
 pytestmark = pytest.mark.slow  # each test starts servers with several engine processes under load
@@ -153,14 +153,29 @@ def _check_load(server, model: Path, seed: int) -> None:  # noqa: ANN001
         raise AssertionError(f"KV blocks not returned: {usage}, running {running}")
 
 
+def _drafts_by_rank(metrics: str) -> dict[str, float]:
+    """phalanx:spec_decode_num_drafts_total per engine rank (its `engine` label), from /metrics. The
+    counter's HELP / TYPE lines show up whether or not anything drafted: the values are what count."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("phalanx:spec_decode_num_drafts_total{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            out[engine] = out.get(engine, 0.0) + float(line.split()[-1])
+    return out
+
+
+def _assert_every_rank_drafted(server: ServerProcess) -> None:
+    drafts = _drafts_by_rank(httpx.get(f"{server.base_url}/metrics").text)
+    assert set(drafts) == {"0", "1"} and all(v > 0 for v in drafts.values()), drafts
+
+
 def test_moe_expert_parallel_with_moe_draft_under_load(models: dict[str, Path], tmp_path: Path) -> None:
     spec = json.dumps({"method": "draft_model", "model": str(models["moe_draft"]), "num_speculative_tokens": 3})
     server = start_server(models["moe"], tmp_path / "s.log", "-dp", "2", "--enable-expert-parallel",
                           "--speculative-config", spec, "--dp-timeout", "30", "--max-model-len", "256")
     try:
         _check_load(server, models["moe"], seed=1)
-        metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert "phalanx:spec_decode_num_drafts_total" in metrics
+        _assert_every_rank_drafted(server)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
 
@@ -171,6 +186,7 @@ def test_dense_forced_lockstep_with_eagle_under_load(models: dict[str, Path], tm
                           "--speculative-config", spec, "--dp-check-collectives", "--max-model-len", "256")
     try:
         _check_load(server, models["dense"], seed=2)
+        _assert_every_rank_drafted(server)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
 
@@ -182,6 +198,7 @@ def test_dense_independent_ranks_with_eagle_under_load(models: dict[str, Path], 
                           "--max-model-len", "256")
     try:
         _check_load(server, models["dense"], seed=4)
+        _assert_every_rank_drafted(server)
     finally:
         assert server.stop() == 0, server.log()[-3000:]
 
@@ -300,7 +317,9 @@ def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Pat
     code = server.proc.wait(120)  # exits on its own (the ceiling guards a hang)
     assert code != 0
     log = server.log()
-    assert "engine rank" in log and ("exited" in log or "failed" in log)
+    assert "; failing all requests and shutting down" in log and "exiting with code 1: engine rank" in log, log[-3000:]
+    # the cause, whichever the server saw first: the killed rank's exit, or its peer's failed collective
+    assert "exited with code -9" in log or "or a dead peer" in log, log[-3000:]
 
     # The surviving rank is gone too: no orphans.
     deadline = time.monotonic() + 60

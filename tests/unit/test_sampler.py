@@ -311,6 +311,8 @@ def test_unseeded_rows_follow_the_engine_seed() -> None:
     a = Sampler(seed=42)(logits, meta).sampled_token_ids
     b = Sampler(seed=42)(logits, meta).sampled_token_ids
     assert torch.equal(a, b)
+    # the engine seed is what decides them (a sampler with a seed of its own would pass the above)
+    assert not torch.equal(a, Sampler(seed=43)(logits, meta).sampled_token_ids)
 
 
 def test_random_sampling_matches_the_processed_distribution() -> None:

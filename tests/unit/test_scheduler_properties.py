@@ -114,7 +114,11 @@ def test_random_operations_never_leak(ops, num_blocks, block_size, budget, k, ca
             for _ in range(op[1]):
                 sched = s.schedule()
                 _check_pool(s)
-                assert sched.total_num_scheduled_tokens <= budget
+                # what the step holds, counted from its parts (the total is derived from the budget)
+                assert sum(sched.num_scheduled_tokens.values()) == sched.total_num_scheduled_tokens <= budget
+                for req_id, n in sched.num_scheduled_tokens.items():
+                    req = s.requests[req_id]
+                    assert req.num_computed_tokens + n <= max_len, (req_id, req.num_computed_tokens, n)
                 out = _fake_run(sched, s, rng, k)
                 s.update_from_output(sched, out)
                 _check_pool(s)

@@ -128,6 +128,9 @@ def test_drafter_max_model_len_stops_drafting(models: dict[str, Path], reference
         # Requests longer than the drafter's limit never drafted.
         long = [o for o, n in zip(outs, LENS) if n + 3 > 40]
         assert long and all(o.outputs[0].num_draft_tokens == 0 for o in long)
+        # ... and the limit is the drafter's, not speculation switched off: the others drafted.
+        short = [o for o, n in zip(outs, LENS) if n + 3 <= 40]
+        assert short and all(o.outputs[0].num_draft_tokens > 0 for o in short), method
 
 
 @pytest.mark.parametrize("method", ["eagle", "ngram"])

@@ -688,7 +688,14 @@ def test_a_fit_is_reused_for_a_few_steps() -> None:
     for _ in range(3):
         costs.observe(4, 3.0, 0.0, 0)
         assert costs.step_cost(4, 1) == first  # the same fit, three steps on
-    assert costs.step_cost(2, 1) == costs.step_cost(2, 1) != first  # another base: its own fit
+    fits: list[float] = []
+    fit = costs.fit
+    costs.fit = lambda base: fits.append(base) or fit(base)  # type: ignore[method-assign]
+    assert costs.step_cost(2, 1) != first and fits == []  # a base on the same grid point: the same fit
+    other = costs.step_cost(16, 1)
+    assert len(fits) == 1 and other != first  # a base on another grid point: a fit of its own ...
+    assert costs.step_cost(16, 1) == other and len(fits) == 1  # ... kept too
+    del costs.fit
     costs.observe(4, 3.0, 0.0, 0)
     assert costs.step_cost(4, 1)[0][0] > first[0][0]  # four steps on: refitted
 

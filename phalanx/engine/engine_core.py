@@ -120,13 +120,9 @@ class EngineCore:
         params = request.sampling_params
         params.check_token_ids(self.cfg.model.vocab_size)
         params.check_speculation(self.num_speculative_tokens, self.adaptive is not None)
+        params.check_room(len(request.prompt_token_ids), self.max_model_len)
         room = self.max_model_len - len(request.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.min_tokens > room:
-            raise ValueError(
-                f"min_tokens is {params.min_tokens}, but max_model_len {self.max_model_len} leaves {room} tokens "
-                f"after the prompt's {len(request.prompt_token_ids)}; reduce min_tokens"
-            )
         produced = request.output_token_ids
         if produced:
             validate_resumed_tokens(produced, self.cfg.model.vocab_size, max_tokens)

@@ -106,7 +106,8 @@ class OpenAIServing:
         params.check_token_ids(self.engine.vocab_size)
         return params
 
-    def _check_prompts(self, req: ChatCompletionRequest | CompletionRequest, prompts: list[Prompt]) -> None:
+    def _check_prompts(self, req: ChatCompletionRequest | CompletionRequest, params: SamplingParams,
+                       prompts: list[Prompt]) -> None:
         """Every prompt's tokens: in the vocabulary, and room for the completion; ValueError -> 400."""
         requested = req.requested_max_tokens()
         limit = self.engine.max_model_len
@@ -118,19 +119,13 @@ class OpenAIServing:
                     f"were requested ({len(p.token_ids)} in the prompt, {requested} in the completion); reduce "
                     "the prompt or max_tokens"
                 )
-            if req.min_tokens > limit - len(p.token_ids):
-                raise APIError(
-                    400,
-                    f"min_tokens is {req.min_tokens}, but this model's maximum context length of {limit} tokens "
-                    f"leaves {limit - len(p.token_ids)} after the prompt's {len(p.token_ids)}; reduce min_tokens",
-                    param="min_tokens",
-                )
+            params.check_room(len(p.token_ids), limit)
 
     # ---- chat -------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         params = self._params(req)
         prompt = await self.chat_prompt(req)
-        self._check_prompts(req, [prompt])
+        self._check_prompts(req, params, [prompt])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gen = self.engine.generate(request_id, prompt.text, prompt.token_ids, params)
@@ -279,7 +274,7 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         params = self._params(req)
         prompts = [await self.prompts.encode(p) for p in req.prompts()]
-        self._check_prompts(req, prompts)
+        self._check_prompts(req, params, prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [

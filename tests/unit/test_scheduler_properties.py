@@ -2,8 +2,10 @@
 or double-free a block, the pool's bookkeeping stays consistent, and everything is free at the end.
 
 The model is faked: every request that catches up samples a pseudo-random token, and drafts are
-random, so preemption, prefix hits, chunking and speculative bookkeeping all get exercised without
-torch.
+random, so the scheduler's paths run without torch. The hypothesis test draws the sequences;
+`test_a_fixed_sequence_reaches_preemption_prefix_hits_and_chunking` pins that the same run does reach
+preemption, prefix-cache hits, chunked prefills and speculative steps (with the same checks on), so a
+change that made those paths unreachable here would fail rather than go untested.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ ops = st.lists(
     seed=st.integers(0, 1000),
 )
 def test_random_operations_never_leak(ops, num_blocks, block_size, budget, k, caching, seed) -> None:  # noqa: ANN001
+    run_ops(ops, num_blocks, block_size, budget, k, caching, seed)
+
+
+def run_ops(ops, num_blocks: int, block_size: int, budget: int, k: int, caching: bool, seed: int) -> dict:  # noqa: ANN001
+    """Run `ops` on a fresh scheduler with the pool and step checked after every schedule and update,
+    drain it, check that every block is free; returns what the run went through."""
+    seen = {"chunked": 0, "spec_steps": 0}
     max_len = min(num_blocks * block_size, 64)
     s = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=max_len),
@@ -119,6 +128,10 @@ def test_random_operations_never_leak(ops, num_blocks, block_size, budget, k, ca
                 for req_id, n in sched.num_scheduled_tokens.items():
                     req = s.requests[req_id]
                     assert req.num_computed_tokens + n <= max_len, (req_id, req.num_computed_tokens, n)
+                seen["chunked"] += sum(1 for r in sched.new_reqs
+                                       if r.num_computed_tokens + sched.num_scheduled_tokens[r.req_id]
+                                       < len(r.prompt_token_ids))
+                seen["spec_steps"] += bool(sched.scheduled_spec_tokens)
                 out = _fake_run(sched, s, rng, k)
                 s.update_from_output(sched, out)
                 _check_pool(s)
@@ -132,3 +145,16 @@ def test_random_operations_never_leak(ops, num_blocks, block_size, budget, k, ca
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == num_blocks
     assert not s.kv.req_blocks
+    return {**seen, "preemptions": s.num_preemptions, "prefix_hits": s.kv.prefix_hits}
+
+
+def test_a_fixed_sequence_reaches_preemption_prefix_hits_and_chunking() -> None:
+    """Long prompts sharing a prefix, more of them than a small pool holds, a budget below a prompt:
+    the checked run above must go through every path its docstring names."""
+    ops = [("add", 30, 10, 0, True), ("step", 2), ("add", 30, 10, 1, True), ("add", 30, 10, 2, False),
+           ("add", 30, 10, 0, True), ("step", 8), ("add", 30, 10, 0, True), ("abort", 2), ("step", 8)]
+    seen = run_ops(ops, num_blocks=20, block_size=4, budget=16, k=2, caching=True, seed=3)
+    assert seen["preemptions"] > 0, seen
+    assert seen["prefix_hits"] > 0, seen
+    assert seen["chunked"] > 0, seen
+    assert seen["spec_steps"] > 0, seen

@@ -60,6 +60,18 @@ def make_byte_bpe_tokenizer(tmp_path: Path | None = None, vocab_size: int = 320)
     return _finish(tokenizer, tmp_path)
 
 
+# A role-tagged template, one line per message: what the front-end tests need to turn chat messages
+# into a prompt (no generation prompt; the e2e servers' template adds one).
+ROLE_LINES_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+
+
+def make_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level BPE above with `ROLE_LINES_TEMPLATE` as its chat template."""
+    tok = make_byte_bpe_tokenizer()
+    tok.chat_template = ROLE_LINES_TEMPLATE
+    return tok
+
+
 def make_metaspace_bpe_tokenizer(tmp_path: Path | None = None) -> PreTrainedTokenizerFast:
     """A sentencepiece-like BPE tokenizer (Metaspace, prepend_scheme="first", no byte fallback)."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))

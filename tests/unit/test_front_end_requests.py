@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.fake_engine import fake_app
-from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
+from tests.tokenizer_fixtures import make_byte_bpe_tokenizer, make_chat_tokenizer
 
 
 def test_the_samples_of_one_request_share_a_group_and_single_samples_have_none() -> None:
@@ -46,8 +46,7 @@ def test_every_sampling_field_sent_over_http_reaches_the_engine() -> None:
         "/v1/chat/completions": {**common, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                  "top_logprobs": 3},
     }
-    tok = make_byte_bpe_tokenizer()
-    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    tok = make_chat_tokenizer()
 
     async def run() -> list:
         async with fake_app(tok, vocab_size=320) as (http, engine, _):

@@ -29,7 +29,7 @@ from phalanx.entrypoints.openai.protocol import (
 )
 from phalanx.entrypoints.openai.server import max_request_bytes
 from tests.fake_engine import fake_app
-from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
+from tests.tokenizer_fixtures import make_chat_tokenizer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -38,8 +38,7 @@ MAX_MODEL_LEN = 256
 VOCAB = 2048  # the model's (logits) vocabulary; the tokenizer's is smaller
 BIG = 2**70
 
-TOKENIZER = make_byte_bpe_tokenizer()
-TOKENIZER.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+TOKENIZER = make_chat_tokenizer()
 MAX_CHARS = MAX_MODEL_LEN * longest_token_chars(TOKENIZER)
 
 # (path, body, text expected in the message, expected param or None)

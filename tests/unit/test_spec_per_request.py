@@ -48,7 +48,7 @@ from phalanx.spec_decode.config import SpeculativeConfig
 from phalanx.worker.model_runner import ModelRunner
 from tests.fake_engine import fake_app
 from tests.tiny_models import VOCAB, make_agreeing_eagle_pair, make_eagle_head, make_model
-from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
+from tests.tokenizer_fixtures import make_chat_tokenizer
 
 K = 3
 
@@ -197,10 +197,13 @@ def test_parked_requests_run_as_opted_out_and_probes_pass(method: str, models: d
             assert o.outputs[0].num_draft_tokens == 0
 
 
-def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
+def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Replace the engine's step timing by a fixed cost model: 1 s + `row_seconds` per row, and
     `pass_seconds` per drafter pass, so that the adaptive choices are deterministic. The profile
-    the engine measured at start-up gives way to the same model's shape."""
+    the engine measured at start-up gives way to the same model's shape, and every step is kept
+    (the engine leaves out steps whose thread got too little CPU, which on a busy machine would
+    leave the model unfed and the choices up to the load)."""
+    monkeypatch.setattr(engine_core_module, "MIN_CPU_SHARE", 0.0)
     adaptive = llm.engine.adaptive
     assert adaptive is not None
     assert adaptive.costs._profile is not None  # measured at start-up (not under expert parallelism)
@@ -218,7 +221,7 @@ def _synthetic_costs(llm: LLM, row_seconds: float, pass_seconds: float) -> None:
     adaptive.observe_step = fixed  # type: ignore[method-assign]
 
 
-def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str, Path]) -> None:
+def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The agreeing EAGLE pair accepts everything; rows and passes cost almost nothing: every
     request drafts its full cap (k, or the room left) at every step, exactly the lengths of static
     drafting, and the output is plain decoding's."""
@@ -231,7 +234,7 @@ def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str,
         llm = LLM(target, dtype="float32", speculative_config={"model": head, "num_speculative_tokens": K,
                                                                 "adaptive": adaptive})  # fmt: skip
         if adaptive:
-            _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+            _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4, monkeypatch=monkeypatch)
         calls = _spy_drafts(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
@@ -240,14 +243,14 @@ def test_adaptive_drafts_deep_with_a_good_drafter_on_free_rows(models: dict[str,
     assert lengths[1] == lengths[0] and any(K in ns for ns in lengths[0])
 
 
-def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[str, Path]) -> None:
+def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A random draft model (nearly nothing accepted) and rows that cost a whole step each: once
     the acceptance and the drafter are measured, nobody drafts (but for exploration); outputs stay
     exact."""
     prompts, params = _prompts(6, seed=4), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = LLM(str(models["target"]), dtype="float32").generate(prompts, params, use_tqdm=False)
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft", models, adaptive=True))
-    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5)
+    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5, monkeypatch=monkeypatch)
     calls = _spy_drafts(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
@@ -258,7 +261,7 @@ def test_adaptive_stops_drafting_a_useless_drafter_on_costly_rows(models: dict[s
     assert sum(n for _, ns, _ in calls[-EXPLORE_EVERY:] for n in ns) <= 1
 
 
-def test_a_pinned_request_drafts_its_cap_where_the_policy_drafts_nothing(models: dict[str, Path]) -> None:
+def test_a_pinned_request_drafts_its_cap_where_the_policy_drafts_nothing(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """`speculative_adaptive=False`: on costly rows where the policy drafts nothing for the others,
     a pinned request still drafts its cap (k, or its own `num_speculative_tokens`) every step,
     while parking (forced here) passes it by; outputs are plain decoding's."""
@@ -270,7 +273,7 @@ def test_a_pinned_request_drafts_its_cap_where_the_policy_drafts_nothing(models:
     plain_params = [p.clone(speculative_adaptive=None, num_speculative_tokens=None) for p in params]
     ref = LLM(str(models["target"]), dtype="float32").generate(prompts, plain_params, use_tqdm=False)
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("draft", models, adaptive=True))
-    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5)
+    _synthetic_costs(llm, row_seconds=1.0, pass_seconds=0.5, monkeypatch=monkeypatch)
     calls = _spy_drafts(llm)
     outs = llm.generate(prompts[:3], params[:3], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[:3]]
@@ -292,13 +295,13 @@ def test_a_pinned_request_drafts_its_cap_where_the_policy_drafts_nothing(models:
     assert llm.get_metrics()["spec_num_parked"] == 1
 
 
-def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dict[str, Path]) -> None:
+def test_adaptive_prices_drafts_against_the_batch_that_verifies_them(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts chosen in a step are verified in the next one: the policy is told that batch holds
     one row per request of this step, also when this step carries a prompt's chunk (pricing the
     drafts against this step's rows would make them look free next to a prefill)."""
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=_spec("eagle", models, adaptive=True),
               max_num_seqs=2)  # fmt: skip
-    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4, monkeypatch=monkeypatch)
     adaptive, scheduler = llm.engine.adaptive, llm.engine.scheduler
     assert adaptive is not None
     choose, schedule = adaptive.choose, scheduler.schedule
@@ -387,10 +390,10 @@ def test_a_preempted_step_is_left_out_of_the_step_costs(models: dict[str, Path],
     assert len(seen) - observed <= 1  # "a"'s last step, timed by "b"'s first
 
 
-def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path]) -> None:
+def test_adaptive_respects_disable_by_batch_size(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _spec("eagle", models, adaptive=True, disable_by_batch_size=4)
     llm = LLM(str(models["target"]), dtype="float32", speculative_config=spec, max_num_batched_tokens=512)
-    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4)
+    _synthetic_costs(llm, row_seconds=1e-4, pass_seconds=1e-4, monkeypatch=monkeypatch)
     calls = _spy_drafts(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in range(9, 25)]
     outs = llm.generate(_prompts(16, seed=5), params, use_tqdm=False)
@@ -480,8 +483,7 @@ def test_adaptive_must_be_a_boolean(value: object, models: dict[str, Path]) -> N
 
 
 # ---- the server's validation ----------------------------------------------------------------------
-TOKENIZER = make_byte_bpe_tokenizer()
-TOKENIZER.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+TOKENIZER = make_chat_tokenizer()
 ENDPOINTS = {"/v1/completions": {"prompt": [5, 6], "max_tokens": 2},
              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}  # fmt: skip
 

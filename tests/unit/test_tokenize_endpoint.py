@@ -11,15 +11,14 @@ from typing import Any
 from tokenizers import processors
 
 from tests.fake_engine import fake_app
-from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
+from tests.tokenizer_fixtures import make_chat_tokenizer
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
 def _tokenizer() -> Any:
     """The byte-level BPE with a BOS-like special token added in front when special tokens are."""
-    tok = make_byte_bpe_tokenizer()
-    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    tok = make_chat_tokenizer()
     bos = tok.convert_tokens_to_ids("<|endoftext|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])

@@ -25,7 +25,7 @@ HEAD = "smollm2-135m-instruct-eagle3"
 SPEC = json.dumps({"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3})
 # The head measures 2.52 at k = 3 on the 300 held-out conversations of up to 256 tokens on the GEMM's
 # AVX512-BF16 and AVX2 paths it was trained on (docs/train-eagle.md); a path that rounds differently
-# (AMX) costs ~2 %, and these 8 prompts at 128 tokens read lower than the 300 (the previous training:
+# (AMX) costs ~1.5 %, and these 8 prompts at 128 tokens read lower than the 300 (the previous training:
 # 2.52 on its own path, 2.38 on the others); an untrained head accepts almost nothing (~1.0).
 MIN_ACCEPTANCE_LENGTH = 2.2
 

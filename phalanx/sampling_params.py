@@ -201,15 +201,16 @@ class SamplingParams:
                     f"{name} token id {bad_ids[0]} is outside the vocabulary; valid ids are 0..{vocab_size - 1}", name
                 )
 
-    def check_room(self, prompt_len: int, max_model_len: int) -> None:
+    def check_room(self, prompt_len: int, max_model_len: int) -> int:
         """`min_tokens` must fit in what the context leaves after the prompt (without `max_tokens` the
-        request would otherwise run to the context's end with EOS banned)."""
+        request would otherwise run to the context's end with EOS banned). Returns that room."""
         room = max_model_len - prompt_len
         if self.min_tokens > room:
             raise SamplingParamError(
                 f"min_tokens is {self.min_tokens}, but max_model_len {max_model_len} leaves {room} tokens after "
                 f"the prompt's {prompt_len}; reduce min_tokens", "min_tokens"
             )
+        return room
 
     def check_speculation(self, num_speculative_tokens: int, adaptive: bool = False) -> None:
         """`num_speculative_tokens` must be within the engine's k (0: an engine without speculative

@@ -120,8 +120,7 @@ class EngineCore:
         params = request.sampling_params
         params.check_token_ids(self.cfg.model.vocab_size)
         params.check_speculation(self.num_speculative_tokens, self.adaptive is not None)
-        params.check_room(len(request.prompt_token_ids), self.max_model_len)
-        room = self.max_model_len - len(request.prompt_token_ids)
+        room = params.check_room(len(request.prompt_token_ids), self.max_model_len)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         produced = request.output_token_ids
         if produced:

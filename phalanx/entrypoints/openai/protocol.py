@@ -224,6 +224,10 @@ class TokenizeRequest(_Strict):
 
     CHAT_ONLY: ClassVar[tuple[str, ...]] = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
+    def special_tokens(self) -> bool:
+        """`add_special_tokens` as given, else the form's default (True for `prompt`, False for `messages`)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
 
 class DetokenizeRequest(_Strict):
     model: str | None = None

@@ -297,13 +297,13 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            prompt = await serving.chat_prompt(req, add_special_tokens=bool(req.add_special_tokens))
+            prompt = await serving.chat_prompt(req, add_special_tokens=req.special_tokens())
         else:
             assert req.prompt is not None
             for name in TokenizeRequest.CHAT_ONLY:
                 if name in req.model_fields_set:
                     raise APIError(400, f"{name} applies to 'messages' only, not to 'prompt'", param=name)
-            prompt = await serving.prompts.encode(req.prompt, req.add_special_tokens is not False)
+            prompt = await serving.prompts.encode(req.prompt, req.special_tokens())
         ids = prompt.token_ids
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 

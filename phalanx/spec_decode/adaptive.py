@@ -20,7 +20,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from phalanx.spec_decode.policy import choose_draft_lengths, choose_draft_lengths_small, step_rate
+from phalanx.spec_decode.policy import (
+    choose_draft_lengths,
+    choose_draft_lengths_small,
+    prefer_uniform,
+    step_rate,
+    uniform_rates,
+)
 
 # Up to this many candidate positions (requests x k) the policy runs in plain Python, above it in
 # numpy: the same choice either way. Measured between forward passes (where the scheduler runs:
@@ -58,9 +64,12 @@ WIDE_EXPLORE_MARGIN = 0.8
 # it. The two corners stand for a changed batch too, near the same grid point of the step-cost
 # fits (`StepCostModel.grid_point`): a request more or less moves the costs little, and a new
 # request is priced at the rates the others' drafts measured. Both stand until the next
-# exploration, which decides afresh: one that drafts nothing (with no drafts no verification moves
-# the acceptance it read; the demo's mixed workload at 16 requests: ~120 us a fresh decision on
-# ~1.6 ms steps, its batch changing every few steps), and one that drafts every cap, new requests
+# exploration, which decides afresh: one that drafts nothing where no draft length for all is
+# predicted to pay at all (with no drafts no verification moves the acceptance it read; the demo's
+# mixed workload at 16 requests: ~120 us a fresh decision on ~1.6 ms steps, its batch changing
+# every few steps; a marginal one, below DRAFT_MIN_GAIN but above nothing, is kept as any other:
+# SmolLM2's chat at 32 requests, AVX512-BF16, k = 1 predicted +3-5 % and serving +7 %, its fresh
+# decisions drafted nothing in 9 of 115 and those stood for 49 steps of 114), and one that drafts every cap, new requests
 # at their caps (the demo's chat at 32 requests: a fresh decision on 9 steps of 10, ~0.15 ms each
 # on ~4 ms steps, where every one drafted k; at 4 requests, standing for this many decisions, one
 # in four steps, 28 us a step of the ~1.55 ms, against 21 us until the exploration). Tried and not
@@ -115,6 +124,12 @@ MIN_DRAFTING_STEPS = 8
 # verification's per-step Python). Where drafting pays clearly (chat at one request: +70 %) this
 # changes nothing.
 DRAFT_MIN_GAIN = 0.03
+# A choice that gives requests different depths must beat the best uniform one (every request
+# min(j, its cap)) by more than this share of tokens per second, or the uniform one is taken
+# (`policy.prefer_uniform`): the costs the model leaves out of a mixed choice (catch-ups of
+# requests that stop and start drafting, a pass deepened for a few, a decision that changes every
+# step) are the same size as DRAFT_MIN_GAIN's error.
+UNIFORM_MARGIN = 0.03
 # Once the policy's decisions have drafted nothing for this many decisions in a row (explorations
 # aside), a request that may draft and arrives now, at a load no lower than those decisions were
 # for, is parked (`AdaptiveDrafting.parks`): it runs as if opted out for its whole life, so its
@@ -1099,7 +1114,9 @@ class Decision(NamedTuple):
     lengths: list[int]  # theirs
     at: int  # the decision count it was taken at
     grid: int  # the step-cost fit's grid point of the base rows (`StepCostModel.grid_point`)
-    clear: bool = True  # drafting every cap: predicted to beat drafting nothing by CORNER_CLEAR_GAIN
+    # drafting every cap: predicted to beat drafting nothing by CORNER_CLEAR_GAIN; drafting nothing:
+    # no draft length for every request predicted to beat it at all (`REUSE_DECISIONS`)
+    clear: bool = True
 
 
 class AdaptiveDrafting:
@@ -1189,13 +1206,19 @@ class AdaptiveDrafting:
             rates = self.acceptance.rates(req_ids, caps)
             lengths = choose_draft_lengths(rates, np.asarray(caps, dtype=np.int64), np.asarray(step_cost),
                                            pass_cost, first_cost, DRAFT_MIN_GAIN, request_cost).tolist()
+        optimum = lengths
+        lengths = prefer_uniform(rates, optimum, caps, step_cost, pass_cost, first_cost, request_cost,
+                                 UNIFORM_MARGIN, DRAFT_MIN_GAIN)
         clear = True
         if any(lengths) and lengths == caps:  # the corner stands for long only where it wins clearly
             clear = (step_rate(rates, lengths, step_cost, pass_cost, first_cost, request_cost=request_cost)
                      >= (1.0 + CORNER_CLEAR_GAIN) * step_rate(rates, [0] * len(caps), step_cost, pass_cost))
+        elif not any(lengths):  # so does drafting nothing, where no draft length is predicted to pay at all
+            by_depth = uniform_rates(rates, caps, step_cost, pass_cost, first_cost, request_cost)
+            clear = max(by_depth[1:]) <= by_depth[0]
         if self.explain:
             self.last_prediction = self._predict(rates, lengths, caps, step_cost, pass_cost, first_cost,
-                                                 request_cost, base_rows)
+                                                 request_cost, base_rows, optimum)
         self._last = Decision(key, own_caps, [n for n, c in zip(lengths, caps) if c], self._decisions, grid, clear)
         if any(lengths):
             self._quiet_from = None
@@ -1229,21 +1252,25 @@ class AdaptiveDrafting:
 
     def _predict(self, rates: np.ndarray | list[list[float]], lengths: list[int], caps: list[int],
                  step_cost: np.ndarray | list[float], pass_cost: float, first_cost: float, request_cost: float,
-                 base_rows: int) -> dict[str, float]:
+                 base_rows: int, optimum: list[int]) -> dict[str, float]:
         """What the cost model predicts for a fresh decision (`explain`): tokens per second of the
-        lengths chosen, of drafting nothing and of every cap, and the drafting costs' scale."""
+        lengths chosen, of drafting nothing and of every cap, and the drafting costs' scale; where
+        a uniform choice replaced a mixed optimum (`UNIFORM_MARGIN`), the optimum's too."""
         def rate(d: list[int]) -> float:
             return round(step_rate(rates, d, step_cost, pass_cost, first_cost, request_cost=request_cost), 2)
-        return {"chosen": rate(lengths), "none": rate([0] * len(caps)), "caps": rate(list(caps)),
-                "base_rows": base_rows, "draft_rows": sum(lengths),
-                "draft_scale": round(self.costs.draft_scale(base_rows), 3)}
+        predicted = {"chosen": rate(lengths), "none": rate([0] * len(caps)), "caps": rate(list(caps)),
+                     "base_rows": base_rows, "draft_rows": sum(lengths),
+                     "draft_scale": round(self.costs.draft_scale(base_rows), 3)}
+        if optimum != lengths:
+            predicted["mixed"] = rate(optimum)
+        return predicted
 
     def _reuse(self, key: tuple[tuple[str, ...], int], caps: list[int], own_caps: list[int], grid: int
                ) -> list[int] | None:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
-        due). One that drafted nothing stands for any batch near its grid point until the next
-        exploration; one that gave every request its cap and wins clearly, until the next
+        due). One that drafted nothing where no draft length was predicted to pay stands for any
+        batch near its grid point until the next exploration; one that gave every request its cap and wins clearly, until the next
         exploration too, for any batch within CORNER_GRID_REACH grid points of its own whose
         requests it knew have no higher caps and none deeper than its deepest (a new request gets
         its cap); any other, for REUSE_DECISIONS decisions, for the same requests and base rows
@@ -1252,7 +1279,7 @@ class AdaptiveDrafting:
         if last is None or self._decisions % EXPLORE_EVERY == 0:
             return None
         age = self._decisions - last.at
-        if not any(last.lengths):
+        if not any(last.lengths) and last.clear:
             return [0] * len(caps) if age < EXPLORE_EVERY and last.grid == grid else None
         if last.lengths == last.caps and last.clear:
             if age >= EXPLORE_EVERY or abs(last.grid - grid) > CORNER_GRID_REACH:

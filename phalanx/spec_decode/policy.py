@@ -44,6 +44,17 @@ choice that drafts deeper for fewer requests where the gain order takes the next
 draft first is not searched apart: on 20,000 random problems of up to 4 requests and 4
 positions, with request costs up to a step's, the choice missed the brute-force optimum in 3, by
 5 % at worst.
+
+Uniform first. The optimum above may give requests different depths (their rates differ). Such a
+choice carries costs the model leaves out: a request dropped to no drafts leaves its drafter
+behind and pays the catch-up when it drafts again, one drafting deeper than the rest adds a pass
+for the whole batch, and which requests get which depth turns on per-request estimates that
+move every step, so the choice changes from step to step and is decided afresh where a uniform
+one is reused. `prefer_uniform` keeps such a choice only where it beats every uniform choice
+(each request min(j, its cap), j = 1..k) by more than a margin, and otherwise takes the best
+uniform one (or nothing, where that does not beat drafting nothing by the minimum gain): where
+the model cannot tell the choices apart by more than its error, the policy serves what a fixed
+draft length would.
 """
 
 from __future__ import annotations
@@ -181,3 +192,66 @@ def choose_draft_lengths_small(
         if pos[item] <= depth:
             lengths[owner[item]] += 1
     return lengths
+
+
+def uniform_rates(
+    accept: np.ndarray | list[list[float]],  # [R, k] conditional acceptance rate per draft position
+    caps: list[int],  # [R]
+    step_cost: np.ndarray | list[float],  # [sum of caps + 1]
+    pass_cost: float,
+    first_cost: float = 0.0,
+    request_cost: float = 0.0,
+) -> list[float]:  # [max cap + 1]
+    """Expected tokens per second of every uniform choice: [j] = every request drafting min(j, its
+    cap), j = 0 (nothing) .. the largest cap. Plain Python, one pass over the rates."""
+    rows_of = accept.reshape(len(caps), -1).tolist() if isinstance(accept, np.ndarray) else accept
+    cost = step_cost.tolist() if isinstance(step_cost, np.ndarray) else step_cost
+    top = max(caps, default=0)
+    tokens = [float(len(caps))] * (top + 1)  # [j]: what the batch emits
+    rows = [0] * (top + 1)  # [j]: the draft rows it verifies
+    for row, cap in zip(rows_of, caps):
+        g, acc = 1.0, 0.0
+        for j in range(1, top + 1):
+            if j <= cap:
+                g *= min(max(row[j - 1], 0.0), 1.0)
+                acc += g
+            tokens[j] += acc
+            rows[j] += min(j, cap)
+    drafting = sum(1 for c in caps if c > 0)
+    return [tokens[0] / cost[0]] + [
+        tokens[j] / (cost[rows[j]] + first_cost + pass_cost * (j - 1) + request_cost * drafting)
+        for j in range(1, top + 1)
+    ]
+
+
+def prefer_uniform(
+    accept: np.ndarray | list[list[float]],  # [R, k] conditional acceptance rate per draft position
+    lengths: list[int],  # [R] the policy's choice (`choose_draft_lengths`)
+    caps: list[int],  # [R]
+    step_cost: np.ndarray | list[float],  # [sum of caps + 1]
+    pass_cost: float,
+    first_cost: float = 0.0,
+    request_cost: float = 0.0,
+    margin: float = 0.0,  # a choice of mixed depths must beat the best uniform one by more than this share
+    min_gain: float = 0.0,  # a uniform choice must beat drafting nothing by more than this share
+) -> list[int]:
+    """`lengths` where it drafts nothing, is uniform (every request min(D, its cap) for one D), or
+    beats every uniform choice by more than `margin` in expected tokens per second; otherwise the
+    uniform choice with the most (the shallowest among equals), or nothing where that beats
+    drafting nothing by `min_gain` or less (module docstring: *Uniform first*). Pure."""
+    if not any(lengths):
+        return list(lengths)
+    deepest = max(lengths)
+    if all(n == min(deepest, c) for n, c in zip(lengths, caps)):
+        return list(lengths)
+    rates = uniform_rates(accept, caps, step_cost, pass_cost, first_cost, request_cost)
+    best_j, best = 0, rates[0] * (1.0 + max(min_gain, 1e-12))
+    for j in range(1, len(rates)):
+        if rates[j] > best:
+            best_j, best = j, rates[j]
+    rows_of = accept.reshape(len(caps), -1).tolist() if isinstance(accept, np.ndarray) else accept
+    cost = step_cost.tolist() if isinstance(step_cost, np.ndarray) else step_cost
+    ours = step_rate(rows_of, lengths, cost, pass_cost, first_cost, request_cost=request_cost)
+    if ours > best * (1.0 + margin):
+        return list(lengths)
+    return [min(best_j, c) for c in caps]

@@ -2,7 +2,8 @@
 each request's draft length for the next step.
 
 Owns: `choose_draft_lengths` (the decision), `choose_draft_lengths_small` (the same in plain
-Python), `expected_tokens` (the objective's numerator) and `step_rate` (the objective).
+Python), `prefer_uniform` (a mixed-depth choice against the uniform ones: *Uniform first* below),
+`uniform_rates`, `expected_tokens` (the objective's numerator) and `step_rate` (the objective).
 Does not own: measuring anything (``spec_decode.adaptive`` keeps the running acceptance counts and
 the step-cost curve), applying caps from the request or the batch (``core.scheduler``), or how
 ranks in lockstep agree on the drafter passes (the vote: ``distributed.vote``).

@@ -960,6 +960,30 @@ def test_a_decision_to_draft_nothing_stands_until_the_next_exploration() -> None
     assert policy.choose(["a"], [3], base_rows=2) == [3]  # the exploration's turn: decided afresh
 
 
+def test_a_marginal_decision_to_draft_nothing_is_kept_as_briefly_as_any_other(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafting nothing because no draft length beat it by DRAFT_MIN_GAIN, though one beats it:
+    the decision is marginal, kept for the same batch REUSE_DECISIONS decisions and decided afresh
+    for another; drafting nothing because nothing pays at all stands (the test above)."""
+    monkeypatch.setattr(adaptive_module, "DRAFT_MIN_GAIN", 100.0)  # no gain reaches it
+    policy = _policy_with_costs()
+    for _ in range(60):
+        for r in "ab":
+            policy.observe_verification(r, 1, 1)  # always accepted: drafting pays
+    assert policy.choose(["a"], [1], base_rows=2) == [0]
+    assert policy._last is not None and not policy._last.clear
+    at, kept = policy._last.at, 0
+    while True:
+        assert policy.choose(["a"], [1], base_rows=2) == [0]
+        if policy._last.at != at:
+            break
+        kept += 1
+    assert kept == REUSE_DECISIONS - 1
+    at = policy._last.at
+    assert policy.choose(["a", "b"], [1, 1], base_rows=2) == [0, 0]  # another batch: afresh
+    assert policy._last.at > at and policy._last.key[0] == ("a", "b")
+
+
 def test_the_caps_stand_until_enough_steps_ran_the_drafter() -> None:
     """A request whose drafts are never accepted: the fit says drafting does not pay from the first
     steps on, but the caps stand until MIN_DRAFTING_STEPS steps ran the drafter (the first ones,

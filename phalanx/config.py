@@ -323,6 +323,15 @@ class ParallelConfig:
             raise ValueError(
                 f"data_parallel_rank {self.data_parallel_rank} out of range [0, {self.data_parallel_size})"
             )
+        # Accepted and ignored would be silent: one rank has no peer, independent ranks no collectives.
+        if self.dp_lockstep and self.data_parallel_size == 1:
+            raise ValueError("dp_lockstep (--dp-lockstep) needs data_parallel_size (-dp) > 1: a single rank has "
+                             "no peer to step with")
+        if self.check_collectives and not (self.data_parallel_size > 1
+                                           and (self.dp_lockstep or self.enable_expert_parallel)):
+            raise ValueError("check_collectives (--dp-check-collectives) compares the collectives of lockstep ranks: "
+                             "it needs data_parallel_size (-dp) > 1 with dp_lockstep (--dp-lockstep) or "
+                             "enable_expert_parallel (--enable-expert-parallel)")
 
 
 @dataclass(frozen=True)

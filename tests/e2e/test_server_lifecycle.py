@@ -326,6 +326,10 @@ def test_startup_errors_exit_nonzero(tmp_path: Path, tiny_model: Path, capsys, c
     assert code == 2 and "max_model_len" in out
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "-dp", "2", "--enable-expert-parallel", "--port", "1")
     assert code == 2 and "--enable-expert-parallel needs an MoE model" in out  # never silently ignored
+    code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--dp-lockstep", "--port", "1")
+    assert code == 2 and "--dp-lockstep" in out and "-dp) > 1" in out  # one rank: nothing to step with
+    code, out = _cli(capsys, caplog, "serve", str(tiny_model), "-dp", "2", "--dp-check-collectives", "--port", "1")
+    assert code == 2 and "--dp-check-collectives" in out and "--dp-lockstep" in out  # independent ranks: none
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--log-stats-interval", "-1", "--port", "1")
     assert code == 2 and "--log-stats-interval" in out and ">= 0" in out  # it used to mean "off", silently
     # Only the engine process finds this one (the KV cache cannot hold one full-length request):

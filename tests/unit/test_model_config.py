@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from phalanx.config import ModelConfig
+from phalanx.config import ModelConfig, ParallelConfig
 
 V4 = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -41,3 +42,16 @@ def test_v5_style_config(tmp_path: Path) -> None:
     assert cfg.dtype == torch.float16 and cfg.head_dim == 32
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling is None
     assert ModelConfig.from_hf(str(tmp_path / "v5"), "float32").dtype == torch.float32
+
+
+def test_parallel_options_that_would_do_nothing_are_errors() -> None:
+    """`dp_lockstep` with one rank and `check_collectives` without lockstep ranks would be accepted
+    and silently ignored: each is a ValueError naming the option and what it needs (the server's
+    flags are checked in tests/e2e/test_server_lifecycle.py)."""
+    with pytest.raises(ValueError, match=r"dp_lockstep \(--dp-lockstep\) needs data_parallel_size \(-dp\) > 1"):
+        ParallelConfig(dp_lockstep=True)
+    for kwargs in ({}, {"data_parallel_size": 2}, {"enable_expert_parallel": True}):
+        with pytest.raises(ValueError, match="check_collectives .* needs data_parallel_size"):
+            ParallelConfig(check_collectives=True, **kwargs)
+    assert ParallelConfig(data_parallel_size=2, dp_lockstep=True, check_collectives=True).lockstep(False)
+    assert ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, check_collectives=True).lockstep(True)

@@ -69,11 +69,11 @@ WIDE_EXPLORE_MARGIN = 0.8
 # mixed workload at 16 requests: ~120 us a fresh decision on ~1.6 ms steps, its batch changing
 # every few steps; a marginal one, below DRAFT_MIN_GAIN but above nothing, is kept as any other:
 # SmolLM2's chat at 32 requests, AVX512-BF16, k = 1 predicted +3-5 % and serving +7 %, its fresh
-# decisions drafted nothing in 9 of 115 and those stood for 49 steps of 114), and one that drafts every cap, new requests
-# at their caps (the demo's chat at 32 requests: a fresh decision on 9 steps of 10, ~0.15 ms each
-# on ~4 ms steps, where every one drafted k; at 4 requests, standing for this many decisions, one
-# in four steps, 28 us a step of the ~1.55 ms, against 21 us until the exploration). Tried and not
-# kept: any other decision standing for a changed batch near its grid point too, a new request
+# decisions drafted nothing in 9 of 115 and those stood for 49 steps of 114), and one that drafts
+# every cap, new requests at their caps (the demo's chat at 32 requests: a fresh decision on 9
+# steps of 10, ~0.15 ms each on ~4 ms steps, where every one drafted k; at 4 requests, standing
+# for this many decisions, one in four steps, 28 us a step of the ~1.55 ms, against 21 us until
+# the exploration). Tried and not kept: any other decision standing for a changed batch near its grid point too, a new request
 # drafting its positions whose gain reaches the smallest gain the decision drafted. On the demo's
 # chat at 16 requests (offline) fresh decisions fell from 131 to 72 of ~600 (~0.4 % of the time),
 # but the rule drafts more than a fresh decision would (it leaves out the rows' rising cost and the
@@ -508,7 +508,6 @@ class StepCostModel:
         self._pending: list[tuple[float, ...]] = []
         self._next = 0
         self._count = 0
-        self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
@@ -618,7 +617,6 @@ class StepCostModel:
         if num_rows <= 0 or seconds <= 0:
             return
         self._count += 1
-        self.drafting_steps += drafter_passes > 0
         drafter = max(drafter_seconds, 0.0)
         target = max(seconds - drafter, 0.0)
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)
@@ -1270,11 +1268,11 @@ class AdaptiveDrafting:
         """The last fresh decision's lengths for this batch where it still stands
         (`REUSE_DECISIONS`), None where the batch is decided afresh (always when an exploration is
         due). One that drafted nothing where no draft length was predicted to pay stands for any
-        batch near its grid point until the next exploration; one that gave every request its cap and wins clearly, until the next
-        exploration too, for any batch within CORNER_GRID_REACH grid points of its own whose
-        requests it knew have no higher caps and none deeper than its deepest (a new request gets
-        its cap); any other, for REUSE_DECISIONS decisions, for the same requests and base rows
-        while the caps that fell still hold its lengths."""
+        batch near its grid point until the next exploration; one that gave every request its cap
+        and wins clearly, until the next exploration too, for any batch within CORNER_GRID_REACH
+        grid points of its own whose requests it knew have no higher caps and none deeper than its
+        deepest (a new request gets its cap); any other, for REUSE_DECISIONS decisions, for the
+        same requests and base rows while the caps that fell still hold its lengths."""
         last = self._last
         if last is None or self._decisions % EXPLORE_EVERY == 0:
             return None

@@ -508,6 +508,7 @@ class StepCostModel:
         self._pending: list[tuple[float, ...]] = []
         self._next = 0
         self._count = 0
+        self.drafting_steps = 0  # steps whose drafter ran a pass (all of them, not only the window's)
         # The target forward's and the lm_head's seconds against rows, measured before serving
         # (`set_profile`); None: the target's part is fitted as a line (class docstring).
         # (rows, forward seconds, head rows from 0, head seconds from 0)
@@ -617,6 +618,7 @@ class StepCostModel:
         if num_rows <= 0 or seconds <= 0:
             return
         self._count += 1
+        self.drafting_steps += drafter_passes > 0
         drafter = max(drafter_seconds, 0.0)
         target = max(seconds - drafter, 0.0)
         forward = target if forward_seconds is None else min(max(forward_seconds, 0.0), target)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,14 +95,20 @@ def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None
     predicted = [s["predicted"] for s in steps if s.get("predicted")]
     if predicted:
         out.append("  fresh decisions, predicted tokens/s against drafting nothing (chosen / none, every cap / "
-                   "none), by draft rows chosen: decisions, median ratios")
+                   "none), by draft rows chosen: decisions, median ratios; then the median predicted time of "
+                   "the chosen lengths in ms, in parts (step without drafts + rows + first pass + later passes "
+                   "+ drafting requests), where the log has them")
         by_rows: dict[int, list[dict]] = defaultdict(list)
         for pr in predicted:
             by_rows[pr["draft_rows"]].append(pr)
+        parts = ("ms_step", "ms_rows", "ms_first", "ms_passes", "ms_requests")
         for rows, group in sorted(by_rows.items()):
             chosen = sorted(pr["chosen"] / pr["none"] for pr in group)
             caps = sorted(pr["caps"] / pr["none"] for pr in group)
-            out.append(f"    {rows:3d} draft rows: {len(group):5d}  {chosen[len(chosen) // 2]:.3f}  {caps[len(caps) // 2]:.3f}")
+            line = f"    {rows:3d} draft rows: {len(group):5d}  {chosen[len(chosen) // 2]:.3f}  {caps[len(caps) // 2]:.3f}"
+            if all(k in group[0] for k in parts):
+                line += "  " + " + ".join(f"{statistics.median(pr[k] for pr in group):.2f}" for k in parts)
+            out.append(line)
     return "\n".join(out)
 
 

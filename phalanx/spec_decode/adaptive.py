@@ -73,8 +73,9 @@ WIDE_EXPLORE_MARGIN = 0.8
 # every cap, new requests at their caps (the demo's chat at 32 requests: a fresh decision on 9
 # steps of 10, ~0.15 ms each on ~4 ms steps, where every one drafted k; at 4 requests, standing
 # for this many decisions, one in four steps, 28 us a step of the ~1.55 ms, against 21 us until
-# the exploration). Tried and not kept: any other decision standing for a changed batch near its grid point too, a new request
-# drafting its positions whose gain reaches the smallest gain the decision drafted. On the demo's
+# the exploration). Tried and not kept: any other decision standing for a changed batch near its
+# grid point too, a new request drafting its positions whose gain reaches the smallest gain the
+# decision drafted. On the demo's
 # chat at 16 requests (offline) fresh decisions fell from 131 to 72 of ~600 (~0.4 % of the time),
 # but the rule drafts more than a fresh decision would (it leaves out the rows' rising cost and the
 # request's own): SmolLM2 at 4 requests drafted 0 in 927 decisions where the exact-batch rule

@@ -195,6 +195,14 @@ def choose_draft_lengths_small(
     return lengths
 
 
+def _as_lists(accept: np.ndarray | list[list[float]], caps: list[int], step_cost: np.ndarray | list[float]
+              ) -> tuple[list[list[float]], list[float]]:
+    """The rates [R][k] and step costs as plain lists (the uniform-choice helpers loop in Python)."""
+    rows_of = accept.reshape(len(caps), -1).tolist() if isinstance(accept, np.ndarray) else accept
+    cost = step_cost.tolist() if isinstance(step_cost, np.ndarray) else step_cost
+    return rows_of, cost
+
+
 def uniform_rates(
     accept: np.ndarray | list[list[float]],  # [R, k] conditional acceptance rate per draft position
     caps: list[int],  # [R]
@@ -205,8 +213,7 @@ def uniform_rates(
 ) -> list[float]:  # [max cap + 1]
     """Expected tokens per second of every uniform choice: [j] = every request drafting min(j, its
     cap), j = 0 (nothing) .. the largest cap. Plain Python, one pass over the rates."""
-    rows_of = accept.reshape(len(caps), -1).tolist() if isinstance(accept, np.ndarray) else accept
-    cost = step_cost.tolist() if isinstance(step_cost, np.ndarray) else step_cost
+    rows_of, cost = _as_lists(accept, caps, step_cost)
     top = max(caps, default=0)
     tokens = [float(len(caps))] * (top + 1)  # [j]: what the batch emits
     rows = [0] * (top + 1)  # [j]: the draft rows it verifies
@@ -250,8 +257,7 @@ def prefer_uniform(
     for j in range(1, len(rates)):
         if rates[j] > best:
             best_j, best = j, rates[j]
-    rows_of = accept.reshape(len(caps), -1).tolist() if isinstance(accept, np.ndarray) else accept
-    cost = step_cost.tolist() if isinstance(step_cost, np.ndarray) else step_cost
+    rows_of, cost = _as_lists(accept, caps, step_cost)
     ours = step_rate(rows_of, lengths, cost, pass_cost, first_cost, request_cost=request_cost)
     if ours > best * (1.0 + margin):
         return list(lengths)

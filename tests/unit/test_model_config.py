@@ -1,4 +1,5 @@
-"""ModelConfig.from_hf accepts configs written by transformers v4 and v5 (DESIGN §6)."""
+"""ModelConfig.from_hf accepts configs written by transformers v4 and v5 (DESIGN §6); ParallelConfig
+refuses options that would do nothing."""
 
 from __future__ import annotations
 

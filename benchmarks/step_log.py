@@ -13,6 +13,8 @@ adaptive policy, last, how it decided (`decision`: static, fresh, reused, explor
 many of the steps that verified drafts each kind of decision gave their drafts (a decision is
 taken in one step's scheduling, its drafts verified in the next step). --span keeps one run's
 steps: `adaptive_spec.py` prints each run's span (the same clock) and records them per round.
+--calibrate replays the log and prints, by batch size, what its decode steps took over what the
+cost model priced them at just before (without drafts and with): whether the policy's prices held.
 --price R,M replays the log (up to the span's end) into a fresh cost model on the engine's own
 profile (the log's first line) and prints what it prices R requests decoding at, without drafts
 and with M draft rows: what the policy's model made of those steps, to hold against what the
@@ -112,11 +114,9 @@ def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None
     return "\n".join(out)
 
 
-def cost_model(path: Path, until: float | None = None) -> StepCostModel:
-    """A fresh cost model fed the log's steps up to `until` (perf_counter seconds; None: all) as the
-    engine fed its own (each timed to the next one's start where the engine went straight on, a
-    preempted one left out), on the profile the log starts with (ValueError: none, not an adaptive
-    engine's log)."""
+def _replay(path: Path, until: float | None = None, predict=None) -> StepCostModel:  # noqa: ANN001
+    """A fresh cost model fed the log's steps up to `until` as the engine fed its own (`cost_model`);
+    `predict(costs, step, took)` is called with each step before the model sees it."""
     from phalanx.engine.engine_core import MIN_CPU_SHARE  # (here: summing a log up needs no torch)
     from phalanx.spec_decode.adaptive import StepCostModel, StepProfile
 
@@ -132,10 +132,55 @@ def cost_model(path: Path, until: float | None = None) -> StepCostModel:
         if s["cpu"] < MIN_CPU_SHARE * wall:
             continue
         went_on = after["t0"] - s["t1"] < WENT_ON_GAP
-        costs.observe(s["rows"], (after["t0"] if went_on else s["t1"]) - s["t0"], s["drafter"], s["passes"],
-                      s["logit_rows"], s["drafts"], s["drafter_rows"], s["forward"], s["drafter_pass_rows"],
-                      s["drafting"])
+        took = (after["t0"] if went_on else s["t1"]) - s["t0"]
+        if predict is not None and costs.measured:
+            predict(costs, s, took)
+        costs.observe(s["rows"], took, s["drafter"], s["passes"], s["logit_rows"], s["drafts"], s["drafter_rows"],
+                      s["forward"], s["drafter_pass_rows"], s["drafting"])
     return costs
+
+
+def calibration(path: Path, span: tuple[float, float] | None = None, bucket: int = 8) -> str:
+    """How well the cost model priced the log's steps as they came: the log replayed into a fresh
+    model, each decode step (no prompt rows, no drafter catch-up; `span`: within it) priced just
+    before the model sees it (`step_cost` at its requests with its draft rows, plus its first pass,
+    later passes and drafting requests where it drafted), and the median of what it took over that
+    price, for steps without drafts and with, by batch size (`bucket` requests a line). The
+    policy's decisions hang on the second over the first (`rel`): below 1 drafting was priced high
+    against decoding without drafts, above 1 low. Steps jitter by 10-30 % on a shared machine, and
+    a round's throughput with them; this ratio, over hundreds of steps of one run, does not hang
+    on which rounds a spell fell in."""
+    ratios: dict[tuple[int, bool], list[float]] = defaultdict(list)
+
+    def predict(costs: StepCostModel, s: dict, took: float) -> None:
+        reqs, drafts = s["reqs"], s["drafts"]
+        if (s["rows"] != reqs + drafts or s["logit_rows"] != s["rows"] or s["drafter_rows"] - s["rows"] >= 32
+                or (span is not None and not span[0] <= s["t0"] <= span[1])):
+            return
+        curve, first, per_pass = costs.step_cost(reqs, drafts, reqs)
+        priced = curve[drafts]
+        if drafts:
+            priced += first + per_pass * max(s["passes"] - 1, 0) + s["drafting"] * costs.request_cost(reqs)
+        ratios[reqs // bucket * bucket, drafts > 0].append(took / priced)
+
+    _replay(path, span[1] if span else None, predict)
+    out = ["  what decode steps took over what the cost model priced them at just before, medians "
+           "(steps without drafts, with drafts, rel = the second over the first), by requests:"]
+    for lo in sorted({b for b, _ in ratios}):
+        plain, drafting = ratios.get((lo, False), []), ratios.get((lo, True), [])
+        p = statistics.median(plain) if plain else math.nan
+        d = statistics.median(drafting) if drafting else math.nan
+        out.append(f"    {lo:3d}-{lo + bucket - 1:<3d} without {len(plain):5d} steps {p:.3f}   with {len(drafting):5d} "
+                   f"steps {d:.3f}   rel {d / p:.3f}")
+    return "\n".join(out)
+
+
+def cost_model(path: Path, until: float | None = None) -> StepCostModel:
+    """A fresh cost model fed the log's steps up to `until` (perf_counter seconds; None: all) as the
+    engine fed its own (each timed to the next one's start where the engine went straight on, a
+    preempted one left out), on the profile the log starts with (ValueError: none, not an adaptive
+    engine's log)."""
+    return _replay(path, until)
 
 
 def price(costs: StepCostModel, reqs: int, drafts: int) -> str:
@@ -156,6 +201,9 @@ def main() -> int:
     p.add_argument("--span", default=None,
                    help="START,END: only the steps within this perf_counter span (adaptive_spec.py prints "
                         "each run's and records them as rounds_span)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="replay the log and print what its decode steps took over what the cost model priced "
+                        "them at just before, without drafts and with, by batch size (within --span)")
     p.add_argument("--price", default=None,
                    help="R,M: replay the log (to the span's end) into a fresh cost model and print what it "
                         "prices R requests decoding at, without drafts and with M draft rows")
@@ -163,6 +211,8 @@ def main() -> int:
     span = tuple(float(x) for x in args.span.split(",")) if args.span else None
     for path in args.logs:
         print(summarise(path, args.reqs, 0 if span else args.skip, span))
+        if args.calibrate:
+            print(calibration(path, span))
         if args.price:
             reqs, drafts = (int(x) for x in args.price.split(","))
             print(price(cost_model(path, span[1] if span else None), reqs, drafts))

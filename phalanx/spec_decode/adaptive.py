@@ -188,6 +188,16 @@ GROUPED_PROFILE_ROWS = (16, 32, 64, 128)
 # The draft scale's prior (`StepCostModel._draft_scale`: 1, what the parts say) weighs as much as
 # this many whole steps' time of drafting steps' evidence.
 PRIOR_DRAFTING_STEPS = 8.0
+# The forward's slope on the profiled shape (`StepCostModel._forward_fit`) is shrunk towards the
+# ratio of served forwards to the profile as much as this many pairs of consecutive steps whose
+# shapes differ by PRIOR_FIXED_ROWS decode rows: a pair of steps of which one verifies 32 drafts
+# weighs ~4 such pairs, so a few transitions move it, a spell of them sets it.
+PRIOR_SCALE_PAIRS = 8.0
+# ... and kept at or above this share of the profile's own slope. Served rows can cost less than
+# profiled ones: the profile's sequences hold PROFILE_CONTEXT tokens, served ones often fewer (their
+# attention reads less), and SmolLM2 at 32 requests with contexts of ~40-170 grew 9.4 ms with 32
+# draft rows where the profile said 11.8 (slope 0.8, AVX512-BF16). Below half, a slope is noise.
+LOWEST_SLOPE = 0.5
 # With a profiled shape, a fit weighs every remembered step besides the local ones by its recency
 # alone, together as much as this many steps: where few steps lie near a batch size (16 requests
 # drafting 3 each verify 64 rows, far from a fit at 16; at 32, 128 rows), the shape's scale and the
@@ -756,7 +766,7 @@ class StepCostModel:
             # up to twice its forward on a small model whose steps are half Python.
             f = self._forward
             shape = self.shape(x, lg, dr_rows)  # [window]
-            scale = float(w @ f) / max(float(w @ shape), 1e-12)  # > 0: every forward in the profile took time
+            scale, forward_fixed = self._forward_fit(base_rows, w, wd if total > 0 else None, shape, np.abs(near) <= 2.0)
             rest = t - f
             rest_row, verify_cost = 0.0, verify_prior
             if total > 0:
@@ -767,7 +777,7 @@ class StepCostModel:
                 rest_row, verify_cost = np.maximum(np.linalg.solve(gram, rhs), 0.0).tolist()
             rest_fixed = float(w @ rest) - rest_row * ml - verify_cost * mv
             fit = self._remember(j, mv, StepFit(
-                float(drafter_fixed + rest_fixed), float(drafter_row), float(rest_row + fed_row), float(first_cost),
+                float(drafter_fixed + rest_fixed + forward_fixed), float(drafter_row), float(rest_row + fed_row), float(first_cost),
                 float(pass_cost), float(verify_cost), max(scale, 0.0), catch_up_row, drafter_row, request_cost))
             return fit._replace(draft_scale=self._draft_scale(base_rows, recency, shape, fit))
         row_prior = mt / (mx + PRIOR_FIXED_ROWS)  # the target's time ~ rows + PRIOR_FIXED_ROWS, likewise
@@ -798,6 +808,42 @@ class StepCostModel:
         return self._remember(j, mv, StepFit(
             float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
             float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost))
+
+    def _forward_fit(self, base_rows: float, w: np.ndarray, wd: np.ndarray | None, shape: np.ndarray,
+                     inside: np.ndarray) -> tuple[float, float]:
+        """The target's forward near `base_rows` as (scale, fixed): forward = fixed + scale * shape
+        (`w`: the steps' weights, `wd`: the step-to-step pairs', normalised, None: no pair; `shape`:
+        the window's profiled shapes; `inside`: the steps within the fit's cut).
+
+        Served forwards take longer than the profile says (SmolLM2 on AVX512-BF16 at 32 requests:
+        23.7 ms against 18.5), and not in proportion: over the same steps the forward grew 9.5 ms
+        with 32 draft rows where the profile's growth, scaled by that ratio, said 11.8, so drafting
+        was priced ~20 % high and the policy drafted nothing where k = 1 served 1.09x plain. Part
+        of what served forwards take beyond the profile is per step (the work around the GEMMs,
+        the API server's share of the cores), not per row, and a served row can cost less than a
+        profiled one (`LOWEST_SLOPE`). So the slope comes from step-to-step differences of forward
+        against shape (consecutive steps share the machine's state), over pairs of decode steps
+        within the fit's cut (a prompt chunk's rows are not the profile's decode rows, and a pair
+        reaching far has the leverage to set the slope alone), shrunk towards the ratio by
+        PRIOR_SCALE_PAIRS pairs whose shapes differ by PRIOR_FIXED_ROWS decode rows, and kept
+        between min(LOWEST_SLOPE, ratio) and the ratio (the fixed part is never negative). Where
+        drafting steps and steps without drafts alternate near the batch, their differences set
+        it; where the rows barely move it stays at the ratio, one scale as before."""
+        f = self._forward
+        ms, mf = float(w @ shape), float(w @ f)
+        ratio = mf / max(ms, 1e-12)  # > 0: every forward in the profile took time
+        if wd is None:
+            return ratio, 0.0
+        share = float(wd @ wd)
+        clean = ((self._rows - self._logit_rows < BULK_FEED) & inside).astype(np.float64)
+        wc = wd * clean * np.roll(clean, 1)
+        ds, df = shape - np.roll(shape, 1), f - np.roll(f, 1)
+        unit = float(self.shape(base_rows + PRIOR_FIXED_ROWS, base_rows + PRIOR_FIXED_ROWS)
+                     - self.shape(base_rows, base_rows))
+        ridge = PRIOR_SCALE_PAIRS * share * unit * unit
+        slope = (float(wc @ (ds * df)) + ridge * ratio) / (float(wc @ (ds * ds)) + ridge) if ridge > 0 else ratio
+        slope = min(max(slope, min(LOWEST_SLOPE, ratio)), ratio)
+        return slope, max(mf - slope * ms, 0.0)
 
     def _draft_scale(self, base_rows: float, recency: np.ndarray, shape: np.ndarray, f: StepFit) -> float:
         """What drafting took over what `f` prices it at, near `base_rows` (`StepFit.draft_scale`);

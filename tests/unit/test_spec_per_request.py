@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.step_log import cost_model, price, summarise
+from benchmarks.step_log import calibration, cost_model, price, summarise
 from phalanx import LLM, SamplingParams
 from phalanx.core import scheduler as scheduler_module
 from phalanx.engine import engine_core as engine_core_module
@@ -714,6 +714,12 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     assert replayed.measured_profile == costs.measured_profile and replayed._count == len(steps) - 1 - sum(
         s["cpu"] < engine_core_module.MIN_CPU_SHARE * (s["t1"] - s["t0"]) for s in steps[:-1])
     assert price(replayed, 3, 6).startswith("  priced: 3 requests decoding ")
+    # --calibrate: each decode step's time over its price just before, without drafts and with
+    text = calibration(log, bucket=4)
+    assert text.startswith("  what decode steps took over") and "rel " in text
+    row = next(line for line in text.splitlines() if line.split()[0] == "0-3")
+    fields = row.split()
+    assert int(fields[fields.index("with") + 1]) > 0  # the 3 requests drafted in some decode steps
     decisions = [s["decision"] for s in steps]
     chosen = [d for d in decisions if d]
     assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide"}

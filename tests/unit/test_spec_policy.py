@@ -27,6 +27,7 @@ from phalanx.spec_decode.adaptive import (
     CORNER_GRID_REACH,
     COSTLY_EXPLORE_EVERY,
     EXPLORE_EVERY,
+    LOWEST_SLOPE,
     MIN_DRAFTING_STEPS,
     PARK_AFTER,
     PRIOR_FIXED_ROWS,
@@ -1230,6 +1231,49 @@ def test_the_work_around_the_forward_is_not_scaled_with_it() -> None:
     assert curve[8] - curve[0] == pytest.approx(8 * (1.1 * 0.0025 + 0.00005), rel=0.08)
     assert curve[0] == pytest.approx(1.1 * (0.005 + 0.0025 * 16) + 0.004 + 0.00005 * 16, rel=0.05)
     assert first == pytest.approx(0.0, abs=0.001)
+
+
+def test_what_served_forwards_take_beyond_the_profile_per_step_is_not_charged_to_draft_rows() -> None:
+    """SmolLM2 served at 32 requests (AVX512-BF16): forwards took 23.7 ms where the profile said
+    18.5 (x1.28), and 32 draft rows added 9.5 ms where the profile said ~9.2; priced at the ratio,
+    they added 11.8, and the policy drafted nothing where one draft each served 1.09x plain. Here
+    every served forward takes 20 ms more than its profile, with spells of steps verifying one draft
+    each between spells without: the differences between consecutive steps show a draft row costs
+    what the profile says, and the 20 ms go with the step."""
+    rng = np.random.default_rng(11)
+    costs = _profiled()
+    for step in range(512):
+        drafts = 32 if (step // 8) % 2 else 0
+        rows = 32 + drafts
+        forward = (0.020 + float(costs.shape(rows, rows, drafts))) * rng.uniform(0.9, 1.1)
+        costs.observe(rows, forward + 0.002, 0.0, 0, num_draft_rows=drafts, forward_seconds=forward)
+    fit = costs.fit(32)
+    ratio = (0.020 + 0.085 + 0.020 + 0.165) / (0.085 + 0.165)  # ~1.16: what one scale would have said
+    assert fit.scale == pytest.approx(1.0, abs=0.05) and fit.scale < ratio - 0.1
+    curve, _, _ = costs.step_cost(32, 32)
+    assert curve[32] - curve[0] == pytest.approx(float(costs.shape(64, 64, 32) - costs.shape(32, 32)), rel=0.06)
+    assert curve[0] == pytest.approx(0.020 + 0.085 + 0.002, rel=0.04)
+
+
+def test_the_forward_slope_on_the_profile_stays_between_half_the_profile_and_the_served_ratio() -> None:
+    """Differences between consecutive steps can say anything on a loaded machine; the slope they
+    give is kept where it means something: no lower than LOWEST_SLOPE of the profile's own (served
+    rows can cost less, their sequences shorter than the profile's, but not that much less) and no
+    higher than the served forwards' ratio to it (the per-step part never negative). Drafting steps
+    slower than that slope allows are the draft scale's to price (`_draft_scale`)."""
+    assert LOWEST_SLOPE == 0.5
+    for extra_per_draft_step, want in ((-0.06, 0.5), (0.08, None)):  # slope 0.35 / 2.1 x the profile's
+        costs = _profiled()
+        for step in range(256):
+            drafts = 32 if step % 2 else 0
+            rows = 32 + drafts
+            forward = 1.1 * float(costs.shape(rows, rows, drafts)) + (extra_per_draft_step if drafts else 0.0)
+            costs.observe(rows, forward, 0.0, 0, num_draft_rows=drafts, forward_seconds=forward)
+        fit = costs.fit(32)
+        if want is not None:
+            assert fit.scale == pytest.approx(want)
+        else:  # at the ratio: the forwards are the scaled shape and nothing per step (the whole step here)
+            assert fit.fixed == pytest.approx(0.0, abs=1e-4) and fit.scale > 1.2
 
 
 def test_a_profile_that_ends_flat_is_extended_at_its_upper_half_slope() -> None:

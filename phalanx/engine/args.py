@@ -43,6 +43,11 @@ class EngineArgs:
         model = ModelConfig.from_hf(
             resolve_model_path(self.model), self.dtype, self.max_model_len, resolve_dtype=resolve_dtype
         )
+        if self.enable_expert_parallel and not model.is_moe:
+            raise ValueError("enable_expert_parallel (--enable-expert-parallel) needs an MoE model; this one is dense")
+        dp = self.data_parallel_size
+        if self.enable_expert_parallel and dp > 1 and model.num_experts < dp:
+            raise ValueError(f"expert parallelism over {dp} ranks needs >= {dp} experts, the model has {model.num_experts}")
         extra = [int(t) for t in self.extra_eos_token_ids if int(t) not in model.eos_token_ids]
         if extra:
             model = dataclasses.replace(model, eos_token_ids=(*model.eos_token_ids, *extra))

@@ -108,14 +108,7 @@ def check_config(cfg: ServeConfig) -> EngineConfig:
         engine_config = cfg.engine_args.create_engine_config(resolve_dtype=False)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise ConfigError(str(e)) from e
-    args = cfg.engine_args
-    dp = args.data_parallel_size
-    if args.enable_expert_parallel and not engine_config.model.is_moe:
-        raise ConfigError("--enable-expert-parallel needs an MoE model; this one is dense")
-    if args.enable_expert_parallel and dp > 1 and engine_config.model.num_experts < dp:
-        raise ConfigError(
-            f"expert parallelism over {dp} ranks needs >= {dp} experts, the model has {engine_config.model.num_experts}"
-        )
+    dp = cfg.engine_args.data_parallel_size
     local = cfg.data_parallel_size_local if cfg.data_parallel_size_local is not None else dp
     if not 1 <= local <= dp or not 0 <= cfg.data_parallel_start_rank <= dp - local:
         raise ConfigError(

@@ -325,7 +325,7 @@ def test_startup_errors_exit_nonzero(tmp_path: Path, tiny_model: Path, capsys, c
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--max-model-len", "100000", "--port", "1")
     assert code == 2 and "max_model_len" in out
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "-dp", "2", "--enable-expert-parallel", "--port", "1")
-    assert code == 2 and "--enable-expert-parallel needs an MoE model" in out  # never silently ignored
+    assert code == 2 and "(--enable-expert-parallel) needs an MoE model; this one is dense" in out  # never silently ignored
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "--dp-lockstep", "--port", "1")
     assert code == 2 and "--dp-lockstep" in out and "-dp) > 1" in out  # one rank: nothing to step with
     code, out = _cli(capsys, caplog, "serve", str(tiny_model), "-dp", "2", "--dp-check-collectives", "--port", "1")

@@ -1,5 +1,5 @@
 """ModelConfig.from_hf accepts configs written by transformers v4 and v5 (DESIGN §6); ParallelConfig
-refuses options that would do nothing."""
+refuses options that would do nothing, and so does the engine configuration (expert parallelism)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,22 @@ def test_parallel_options_that_would_do_nothing_are_errors() -> None:
             ParallelConfig(check_collectives=True, **kwargs)
     assert ParallelConfig(data_parallel_size=2, dp_lockstep=True, check_collectives=True).lockstep(False)
     assert ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, check_collectives=True).lockstep(True)
+
+
+def test_expert_parallelism_needs_an_moe_model_with_an_expert_a_rank(tmp_path: Path) -> None:
+    """`enable_expert_parallel` on a dense model, or over more ranks than the model has experts,
+    is a ValueError from the engine configuration itself (the server and any Python caller alike),
+    naming the option and what it needs; an MoE model with enough experts is accepted."""
+    from phalanx.engine.args import EngineArgs
+
+    dense = _write(tmp_path / "dense", V4)
+    with pytest.raises(ValueError, match=r"enable_expert_parallel \(--enable-expert-parallel\) needs an MoE model; this one is dense"):
+        EngineArgs(model=dense, enable_expert_parallel=True).create_engine_config(resolve_dtype=False)
+    moe = _write(tmp_path / "moe", {**V4, "architectures": ["MixtralForCausalLM"], "num_local_experts": 2,
+                                    "num_experts_per_tok": 1})
+    with pytest.raises(ValueError, match="expert parallelism over 4 ranks needs >= 4 experts, the model has 2"):
+        EngineArgs(model=moe, enable_expert_parallel=True, data_parallel_size=4).create_engine_config(
+            resolve_dtype=False)
+    cfg = EngineArgs(model=moe, enable_expert_parallel=True, data_parallel_size=2).create_engine_config(
+        resolve_dtype=False)
+    assert cfg.model.is_moe and cfg.parallel.lockstep(cfg.model.is_moe)

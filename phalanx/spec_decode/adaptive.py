@@ -372,9 +372,9 @@ class StepFit(NamedTuple):
     pass_cost: float
     verify_cost: float = 0.0  # what verifying any drafts costs besides their rows
     # With a profiled shape (`StepCostModel.set_profile`): the target's forward and lm_head take
-    # scale * shape(rows, logit rows), and fixed / per_row / per_logit_row price the rest of the
-    # step (the drafter's part, scheduling, sampling). 0: no profile, the linear form above
-    # prices the forward too.
+    # scale * shape(rows, logit rows) plus a per-step part (in `fixed`, `_forward_fit`), and fixed
+    # / per_row / per_logit_row price the rest of the step (the drafter's part, scheduling,
+    # sampling). 0: no profile, the linear form above prices the forward too.
     scale: float = 0.0
     # What a waiting catch-up costs a position: the drafter's seconds per position over the recent
     # steps whose first pass fed many (`BULK_FEED`: catch-ups, prompts), at any batch size; the
@@ -544,11 +544,11 @@ class StepCostModel:
                     group: int = 1) -> None:
         """Price rows on a measured shape instead of a fitted line: `forward_seconds[i]` is the
         target forward over `rows[i]` decode rows, `head_seconds[i]` the lm_head and greedy pick
-        over as many (``ModelRunner.profile_step_curve``). The fit then scales that shape to the
-        forwards the steps timed near the batch size asked about (one factor: the API server's
-        share of the cores, the machine's clock) and fits only the rest of the step (the
-        drafter's part, the per-step and per-request work around the forward, the verification's
-        fixed cost) as lines. Why: served, steps of the same rows vary by 10-30 %
+        over as many (``ModelRunner.profile_step_curve``). The fit then maps that shape onto the
+        forwards the steps timed near the batch size asked about (a slope and a per-step part:
+        the API server's share of the cores, the machine's clock, `_forward_fit`) and fits only
+        the rest of the step (the drafter's part, the per-step and per-request work around the
+        forward, the verification's fixed cost) as lines. Why: served, steps of the same rows vary by 10-30 %
         (other work on the same cores), and a row's cost read from differences of a row or two
         between consecutive steps was mostly that noise. On a compute-bound CPU (AVX2, SmolLM2:
         ~2.3 ms a row at 32 rows) it read 0.8 ms, and the policy drafted at a loss under load.

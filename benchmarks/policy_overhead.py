@@ -39,7 +39,9 @@ TIMED = (
 )
 
 
-def install_timers(seconds: dict[str, float], calls: dict[str, int]) -> None:
+def install_timers(seconds: dict[str, float], calls: dict[str, int]) -> list[tuple[Any, str, Any]]:
+    """Wrap every entry point of TIMED so that each call adds its seconds and one call under its
+    name; returns (owner, name, original) for each, to put them back."""
     import importlib
 
     def timed(f: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -53,11 +55,15 @@ def install_timers(seconds: dict[str, float], calls: dict[str, int]) -> None:
                 calls[name] = calls.get(name, 0) + 1
         return wrapper
 
+    originals = []
     for module_name, owner_name, names in TIMED:
         module = importlib.import_module(module_name)
         owner = module if owner_name is None else getattr(module, owner_name)
         for name in names:
-            setattr(owner, name, timed(getattr(owner, name), name))
+            original = getattr(owner, name)
+            originals.append((owner, name, original))
+            setattr(owner, name, timed(original, name))
+    return originals
 
 
 def main() -> int:

@@ -82,12 +82,11 @@ def main() -> int:
     seconds: dict[str, float] = {}
     calls: dict[str, int] = {}
     install_timers(seconds, calls)
+    from adaptive_spec import questions  # (run as a script: benchmarks/ is on the path)
+
     from phalanx import LLM, SamplingParams
 
-    rows = [json.loads(line) for line in Path(args.questions).read_text().splitlines() if line.strip()]
-    prompts = [r.get("question") or r.get("prompt") or r.get("text") for r in rows][: args.prompts]
-    if not prompts or any(not isinstance(q, str) for q in prompts):
-        raise SystemExit(f"{args.questions}: every row needs a `question`, `prompt` or `text` string")
+    prompts = questions(Path(args.questions), args.prompts)
     spec = {**json.loads(args.spec), "adaptive": not args.static}
     llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.concurrency)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

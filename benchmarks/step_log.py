@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from phalanx.spec_decode.adaptive import StepCostModel
 
 # A step followed by the next within this many seconds: the engine went straight on (requests in
@@ -114,7 +116,8 @@ def summarise(path: Path, reqs: int, skip: int, span: tuple[float, float] | None
     return "\n".join(out)
 
 
-def _replay(path: Path, until: float | None = None, predict=None) -> StepCostModel:  # noqa: ANN001
+def _replay(path: Path, until: float | None = None,
+            predict: Callable[[StepCostModel, dict, float], None] | None = None) -> StepCostModel:
     """A fresh cost model fed the log's steps up to `until` as the engine fed its own (`cost_model`);
     `predict(costs, step, took)` is called with each step before the model sees it."""
     from phalanx.engine.engine_core import MIN_CPU_SHARE  # (here: summing a log up needs no torch)
@@ -150,17 +153,16 @@ def calibration(path: Path, span: tuple[float, float] | None = None, bucket: int
     against decoding without drafts, above 1 low. Steps jitter by 10-30 % on a shared machine, and
     a round's throughput with them; this ratio, over hundreds of steps of one run, does not hang
     on which rounds a spell fell in."""
+    from phalanx.spec_decode.adaptive import BULK_FEED
+
     ratios: dict[tuple[int, bool], list[float]] = defaultdict(list)
 
     def predict(costs: StepCostModel, s: dict, took: float) -> None:
         reqs, drafts = s["reqs"], s["drafts"]
-        if (s["rows"] != reqs + drafts or s["logit_rows"] != s["rows"] or s["drafter_rows"] - s["rows"] >= 32
+        if (s["rows"] != reqs + drafts or s["logit_rows"] != s["rows"] or s["drafter_rows"] - s["rows"] >= BULK_FEED
                 or (span is not None and not span[0] <= s["t0"] <= span[1])):
             return
-        curve, first, per_pass = costs.step_cost(reqs, drafts, reqs)
-        priced = curve[drafts]
-        if drafts:
-            priced += first + per_pass * max(s["passes"] - 1, 0) + s["drafting"] * costs.request_cost(reqs)
+        priced = step_price(costs, reqs, drafts, s["passes"], s["drafting"])
         ratios[reqs // bucket * bucket, drafts > 0].append(took / priced)
 
     _replay(path, span[1] if span else None, predict)
@@ -183,13 +185,21 @@ def cost_model(path: Path, until: float | None = None) -> StepCostModel:
     return _replay(path, until)
 
 
+def step_price(costs: StepCostModel, reqs: int, drafts: int, passes: int, drafting: int) -> float:
+    """What `costs` prices a step of `reqs` requests decoding at, with `drafts` draft rows from
+    `passes` drafter passes for `drafting` requests (no drafts: the step alone)."""
+    curve, first, per_pass = costs.step_cost(reqs, drafts, reqs)
+    if not drafts:
+        return curve[0]
+    return curve[drafts] + first + per_pass * max(passes - 1, 0) + drafting * costs.request_cost(reqs)
+
+
 def price(costs: StepCostModel, reqs: int, drafts: int) -> str:
     """What `costs` prices `reqs` requests decoding at, without drafts and with `drafts` draft rows
     spread evenly (depth: drafts / reqs rounded up), every request drafting."""
-    curve, first, per_pass = costs.step_cost(reqs, drafts, reqs)
     depth = math.ceil(drafts / reqs) if drafts else 0
-    drafted = curve[drafts] + (first + per_pass * (depth - 1) + reqs * costs.request_cost(reqs) if drafts else 0.0)
-    return (f"  priced: {reqs} requests decoding {1e3 * curve[0]:.2f} ms without drafts, {1e3 * drafted:.2f} ms "
+    alone, drafted = step_price(costs, reqs, 0, 0, 0), step_price(costs, reqs, drafts, depth, reqs)
+    return (f"  priced: {reqs} requests decoding {1e3 * alone:.2f} ms without drafts, {1e3 * drafted:.2f} ms "
             f"with {drafts} draft rows")
 
 

@@ -663,6 +663,10 @@ class StepCostModel:
         step's rows: a catch-up (or a prompt) in the drafter, priced apart (`catch_up_row`)."""
         return (self._fed - self._rows >= BULK_FEED) & (self._passes > 0)
 
+    def _decode_steps(self) -> np.ndarray:
+        """[window] the steps of decode rows, a prompt chunk of fewer than BULK_FEED rows at most."""
+        return self._rows - self._logit_rows < BULK_FEED
+
     def measured_near(self, base_rows: float) -> bool:
         """Whether some remembered step lies within the fit's cut (two bandwidths) of the grid point
         that stands for `base_rows` (`grid_point`). With a profile, whether any step was measured: the
@@ -690,7 +694,7 @@ class StepCostModel:
         # new requests opens with such steps, and priced on them the demo's first round at 16
         # requests after rounds at one (AVX512-BF16) read drafting 3 at 0.82 of drafting nothing,
         # drafted nothing and parked 387 of 512 requests, at ~0.6 of k = 3's tokens a second.
-        clean = (self._rows - self._logit_rows < BULK_FEED) & ~self._caught_up()
+        clean = self._decode_steps() & ~self._caught_up()
         if int((np.isfinite(self._step) & drafting & near & clean).sum()) < enough:
             return False
         self._drafted.add(j)
@@ -719,7 +723,8 @@ class StepCostModel:
         # Cut at 2 bandwidths (rows + 16 within a factor 2 of the base's): a pair of steps far
         # apart has so much leverage on a slope that even a faint Gaussian tail would let it
         # decide the local one. Nothing that near: the nearest steps, as the tail has them.
-        local = np.where(np.abs(near) <= 2.0, kernel, 0.0)
+        inside = np.abs(near) <= 2.0
+        local = np.where(inside, kernel, 0.0)
         if local.sum() > 0:
             kernel = local
         elif not kernel.sum() > 0:  # every step far beyond the tail's reach
@@ -766,7 +771,7 @@ class StepCostModel:
             # up to twice its forward on a small model whose steps are half Python.
             f = self._forward
             shape = self.shape(x, lg, dr_rows)  # [window]
-            scale, forward_fixed = self._forward_fit(base_rows, w, wd if total > 0 else None, shape, np.abs(near) <= 2.0)
+            scale, forward_fixed = self._forward_fit(base_rows, w, wd if total > 0 else None, shape, inside)
             rest = t - f
             rest_row, verify_cost = 0.0, verify_prior
             if total > 0:
@@ -835,7 +840,7 @@ class StepCostModel:
         if wd is None:
             return ratio, 0.0
         share = float(wd @ wd)
-        clean = ((self._rows - self._logit_rows < BULK_FEED) & inside).astype(np.float64)
+        clean = (self._decode_steps() & inside).astype(np.float64)
         wc = wd * clean * np.roll(clean, 1)
         ds, df = shape - np.roll(shape, 1), f - np.roll(f, 1)
         unit = float(self.shape(base_rows + PRIOR_FIXED_ROWS, base_rows + PRIOR_FIXED_ROWS)
@@ -920,7 +925,7 @@ class StepCostModel:
         u = (passes > 0).astype(np.float64)  # the drafter ran (pass 1)
         q = np.maximum(passes - 1.0, 0.0)  # drafter passes after the first
         fed = self._fed + self._pass_rows
-        kept = ~((self._fed - self._rows >= BULK_FEED) & (passes > 0))
+        kept = ~self._caught_up()
         if (w * kept).sum() > 0:  # (else only catch-ups near here: they are all there is to go by)
             w = w * kept / (w * kept).sum()
             wd = wd * kept * np.roll(kept, 1)

@@ -6,6 +6,7 @@
 
 #include <atomic>
 
+#include "amx_tiles.h"
 #include "common.h"
 #include "gemm.h"
 #include "ops.h"
@@ -221,8 +222,7 @@ void decode_task_bf16(const c10::BFloat16* const*, const c10::BFloat16* const*, 
                       const int64_t*, int64_t, int64_t, float, float*, O* const*) {}
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+#if PHALANX_AMX
 constexpr bool kAmxAttention = true;
 
 // The bf16 task on AMX tiles (the GEMM's AMX path, `isa` 3: its tile instruction's order, gemm.cpp),
@@ -352,13 +352,13 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
         for (int64_t j = 0; j < n; ++j) std::memcpy(ks.data() + j * head_dim, krow[l0 + j], head_dim * 2);
         a = reinterpret_cast<const c10::BFloat16*>(ks.data());
       }
-      _tile_zero(6);
+      px_tile_zero(6);
       for (int64_t st = 0; st < steps; ++st) {
-        _tile_loadd(4, a + 32 * st, head_dim * 2);
-        _tile_loadd(5, qb[st], 64);
-        _tile_dpbf16ps(6, 4, 5);
+        px_tile_loadd(4, a + 32 * st, head_dim * 2);
+        px_tile_loadd(5, qb[st], 64);
+        px_tile_dpbf16ps(6, 4, 5);
       }
-      _tile_stored(6, ct, 64);
+      px_tile_stored(6, ct, 64);
       for (int64_t r = 0; r < rows; ++r) {
         float* row = sc.data() + r * ls + l0;
         for (int64_t j = 0; j < n; ++j) row[j] = ct[j][r];
@@ -382,34 +382,34 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
       int64_t most = 0;
       for (int64_t g = g0; g < g0 + ng; ++g) most = std::max(most, glen[g]);
       if (most <= l0) continue;  // a group past its rows' keys is computed along (its columns unread)
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      px_tile_zero(0);
+      px_tile_zero(1);
+      px_tile_zero(2);
+      px_tile_zero(3);
       const int64_t stride = head_dim * 2;
       for (int64_t s = 0; s < steps; ++s) {
         const uint16_t* qs = qa.data() + g0 * 16 * head_dim + 32 * s;
-        _tile_loadd(5, kt.data() + s * 256, 64);
-        _tile_loadd(4, qs, stride);
-        _tile_dpbf16ps(0, 4, 5);
+        px_tile_loadd(5, kt.data() + s * 256, 64);
+        px_tile_loadd(4, qs, stride);
+        px_tile_dpbf16ps(0, 4, 5);
         if (ng > 1) {
-          _tile_loadd(6, qs + 16 * head_dim, stride);
-          _tile_dpbf16ps(1, 6, 5);
+          px_tile_loadd(6, qs + 16 * head_dim, stride);
+          px_tile_dpbf16ps(1, 6, 5);
         }
         if (ng > 2) {
-          _tile_loadd(4, qs + 32 * head_dim, stride);
-          _tile_dpbf16ps(2, 4, 5);
+          px_tile_loadd(4, qs + 32 * head_dim, stride);
+          px_tile_dpbf16ps(2, 4, 5);
         }
         if (ng > 3) {
-          _tile_loadd(6, qs + 48 * head_dim, stride);
-          _tile_dpbf16ps(3, 6, 5);
+          px_tile_loadd(6, qs + 48 * head_dim, stride);
+          px_tile_dpbf16ps(3, 6, 5);
         }
       }
       float* out = sc.data() + g0 * 16 * ls + l0;
-      _tile_stored(0, out, ls * 4);
-      if (ng > 1) _tile_stored(1, out + 16 * ls, ls * 4);
-      if (ng > 2) _tile_stored(2, out + 32 * ls, ls * 4);
-      if (ng > 3) _tile_stored(3, out + 48 * ls, ls * 4);
+      px_tile_stored(0, out, ls * 4);
+      if (ng > 1) px_tile_stored(1, out + 16 * ls, ls * 4);
+      if (ng > 2) px_tile_stored(2, out + 32 * ls, ls * 4);
+      if (ng > 3) px_tile_stored(3, out + 48 * ls, ls * 4);
     }
   }
   // The softmax, as flash attention splits it: per row the raw scores' maximum m; then, 32 keys at a
@@ -491,36 +491,36 @@ void decode_task_amx(const c10::BFloat16* const* qrow, const c10::BFloat16* cons
     probabilities(g, lg, pb.data());
     for (int64_t t0 = 0; t0 < dtiles; t0 += 4) {  // up to 4 accumulator tiles (64 elements) at a time
       const int64_t nt = std::min<int64_t>(4, dtiles - t0);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      px_tile_zero(0);
+      px_tile_zero(1);
+      px_tile_zero(2);
+      px_tile_zero(3);
       for (int64_t k0 = 0; k0 < glen[g]; k0 += 32) {
-        _tile_loadd(4, pb.data() + k0, lg * 2);
+        px_tile_loadd(4, pb.data() + k0, lg * 2);
         const uint32_t* b = vt.data() + ((k0 / 32) * dtiles + t0) * 256;
         if (groups == 1) {
           stage(k0 / 32, t0, nt, vt.data());
           b = vt.data();
         }
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
+        px_tile_loadd(5, b, 64);
+        px_tile_dpbf16ps(0, 4, 5);
         if (nt > 1) {
-          _tile_loadd(5, b + 256, 64);
-          _tile_dpbf16ps(1, 4, 5);
+          px_tile_loadd(5, b + 256, 64);
+          px_tile_dpbf16ps(1, 4, 5);
         }
         if (nt > 2) {
-          _tile_loadd(5, b + 512, 64);
-          _tile_dpbf16ps(2, 4, 5);
+          px_tile_loadd(5, b + 512, 64);
+          px_tile_dpbf16ps(2, 4, 5);
         }
         if (nt > 3) {
-          _tile_loadd(5, b + 768, 64);
-          _tile_dpbf16ps(3, 4, 5);
+          px_tile_loadd(5, b + 768, 64);
+          px_tile_dpbf16ps(3, 4, 5);
         }
       }
-      _tile_stored(0, &acc[0][0], 256);
-      _tile_stored(1, &acc[0][16], 256);
-      _tile_stored(2, &acc[0][32], 256);
-      _tile_stored(3, &acc[0][48], 256);
+      px_tile_stored(0, &acc[0][0], 256);
+      px_tile_stored(1, &acc[0][16], 256);
+      px_tile_stored(2, &acc[0][32], 256);
+      px_tile_stored(3, &acc[0][48], 256);
       for (int64_t i = 0; i < nr; ++i) {  // the softmax's normalisation
         const __m512 vi = _mm512_set1_ps(inv[r0 + i]);
         for (int64_t d = 0; d < 16 * nt; d += 16) _mm512_store_ps(acc[i] + d, _mm512_mul_ps(_mm512_load_ps(acc[i] + d), vi));

@@ -298,15 +298,18 @@ void split_pairs(const uint16_t*, int64_t, int64_t, float*) {}
 void run_avx2(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*, uint16_t*, int64_t) {}
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+#if PHALANX_AMX
 // Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA, once, for every thread); without that grant a tile instruction faults.
+#if defined(PHALANX_EMULATE_AMX)
+bool amx_granted() { return true; }  // the tiles are this build's own (amx_emulation.h)
+#else
 bool amx_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                       18 /* XFEATURE_XTILEDATA */) == 0;
   return granted;
 }
+#endif
 
 // The tile registers: tmm0-3 the accumulators (row tile i, column block j) = tmm(2 i + j), tmm4-5 the
 // two row tiles of x (16 rows x 32 bf16 each), tmm6-7 two blocks' weights (16 pairs x 16 columns).
@@ -382,31 +385,31 @@ struct AmxRun {
   template <bool R2, bool B2>
   void group(int64_t m0, int64_t nb, int r0, int r1) {
     const uint16_t* xm = x + m0 * ldx;
-    _tile_zero(0);
-    if constexpr (B2) _tile_zero(1);
-    if constexpr (R2) _tile_zero(2);
-    if constexpr (R2 && B2) _tile_zero(3);
+    px_tile_zero(0);
+    if constexpr (B2) px_tile_zero(1);
+    if constexpr (R2) px_tile_zero(2);
+    if constexpr (R2 && B2) px_tile_zero(3);
     const uint16_t* w0 = w + nb * KS * 32;
     const uint16_t* w1 = w0 + KS * 32;
     const int64_t stride = ldx * 2;
     const int waiting = pending.y ? pending.r0 + pending.r1 : 0;
     for (int64_t kb = 0; kb < KB; ++kb) {
-      _tile_loadd(4, xm + kb * 32, stride);
-      if constexpr (R2) _tile_loadd(5, xm + 16 * ldx + kb * 32, stride);
-      _tile_loadd(6, w0 + kb * kAmxPairs * 32, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (R2) _tile_dpbf16ps(2, 5, 6);
+      px_tile_loadd(4, xm + kb * 32, stride);
+      if constexpr (R2) px_tile_loadd(5, xm + 16 * ldx + kb * 32, stride);
+      px_tile_loadd(6, w0 + kb * kAmxPairs * 32, 64);
+      px_tile_dpbf16ps(0, 4, 6);
+      if constexpr (R2) px_tile_dpbf16ps(2, 5, 6);
       if constexpr (B2) {
-        _tile_loadd(7, w1 + kb * kAmxPairs * 32, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if constexpr (R2) _tile_dpbf16ps(3, 5, 7);
+        px_tile_loadd(7, w1 + kb * kAmxPairs * 32, 64);
+        px_tile_dpbf16ps(1, 4, 7);
+        if constexpr (R2) px_tile_dpbf16ps(3, 5, 7);
       }
       if (waiting) store_rows(static_cast<int>(kb * waiting / KB), static_cast<int>((kb + 1) * waiting / KB));
     }
-    _tile_stored(0, pending.acc[0], 64);
-    if constexpr (B2) _tile_stored(1, pending.acc[1], 64);
-    if constexpr (R2) _tile_stored(2, pending.acc[2], 64);
-    if constexpr (R2 && B2) _tile_stored(3, pending.acc[3], 64);
+    px_tile_stored(0, pending.acc[0], 64);
+    if constexpr (B2) px_tile_stored(1, pending.acc[1], 64);
+    if constexpr (R2) px_tile_stored(2, pending.acc[2], 64);
+    if constexpr (R2 && B2) px_tile_stored(3, pending.acc[3], 64);
     pending.y = y + m0 * N;
     pending.nb = nb;
     pending.r0 = r0;
@@ -458,11 +461,10 @@ void release_amx() {}
 
 bool amx_tiles_granted() { return amx_granted(); }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
+#if PHALANX_AMX
 void configure_amx_tiles(const int (&rows)[8]) { load_amx_tile_config(rows); }
 
-void release_amx_tiles() { _tile_release(); }
+void release_amx_tiles() { px_tile_release(); }
 #else
 void configure_amx_tiles(const int (&)[8]) {}
 void release_amx_tiles() {}

@@ -189,12 +189,14 @@ def _wait_for_other_builder(directory: Path, max_age_s: float = STALE_LOCK_S) ->
 BUILD_STAMP = "phalanx-build.json"  # beside a finished build: what it was built as (see `_import_built`)
 
 
-def build(name: str = "phalanx_cpu_ops", march: str = "native", variant: str = "") -> Any:
-    """Compile (or load the cached build of) the csrc/ sources with ``-march=<march>`` as module
-    `name` in ``build_dir(variant)``."""
+def build(name: str = "phalanx_cpu_ops", march: str = "native", variant: str = "", defines: tuple[str, ...] = ()
+          ) -> Any:
+    """Compile (or load the cached build of) the csrc/ sources with ``-march=<march>`` (and
+    ``-D<define>`` for each of `defines`) as module `name` in ``build_dir(variant)``."""
     sources = source_paths()
     directory = build_dir(variant)
-    built_as = {"name": name, "march": march, "cflags": list(CFLAGS)}
+    cflags = [*CFLAGS, *(f"-D{d}" for d in defines)]
+    built_as = {"name": name, "march": march, "cflags": cflags}
     if not (directory / "lock").exists():
         module = _import_built(directory, built_as)
         if module is not None:
@@ -206,7 +208,7 @@ def build(name: str = "phalanx_cpu_ops", march: str = "native", variant: str = "
     module = load_extension(
         name=name,
         sources=[str(p) for p in sources],
-        extra_cflags=[f"-march={march}", *CFLAGS],
+        extra_cflags=[f"-march={march}", *cflags],
         extra_include_paths=[str(CSRC)],
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -239,11 +241,50 @@ def _import_built(directory: Path, built_as: dict[str, Any]) -> Any:
         return None
 
 
+# The CPU features the emulated AMX build needs (amx_emulation.h and the AMX code around it).
+AMX_EMULATION_NEEDS = ("avx512_bf16", "avx512bw")
+
+
+def emulating_amx() -> bool:
+    """Whether ``PHALANX_CPU_ISA=amx_emulated`` asks for the build whose AMX path runs in software."""
+    return os.environ.get("PHALANX_CPU_ISA", "").strip().lower() == "amx_emulated"
+
+
+def build_emulated_amx() -> Any:
+    """The kernels built with AMX's tiles in software (csrc/amx_emulation.h): their AMX path (3) gives
+    the bits an AMX CPU's does, on an AVX512-BF16 CPU without AMX, a few times slower. An error on a
+    CPU without the AVX512 features it needs."""
+    missing = [f for f in AMX_EMULATION_NEEDS if f not in cpu_flags()]
+    if missing:
+        raise ValueError(f"PHALANX_CPU_ISA='amx_emulated' needs a CPU with {' and '.join(AMX_EMULATION_NEEDS)}; "
+                         f"this one lacks {', '.join(missing)}")
+    return build(name="phalanx_cpu_ops_amx_emulated", variant="amx-emulated", defines=("PHALANX_EMULATE_AMX",))
+
+
+@functools.cache
+def emulated_amx() -> Any:
+    """`build_emulated_amx`'s module beside whichever `load` gives (tests compare the two), or None
+    where this CPU cannot run it or it does not build."""
+    if backend() == "torch" or any(f not in cpu_flags() for f in AMX_EMULATION_NEEDS):
+        return None
+    try:
+        return build_emulated_amx()
+    except Exception as exc:  # no compiler / headers: the tests that need it skip
+        log.warning("phalanx: the emulated AMX build failed: %s", (str(exc) or type(exc).__name__).splitlines()[0])
+        return None
+
+
 def load(required: bool = False) -> Any:
     """The compiled module, building it on first use; None when it cannot be built (one warning),
-    or an error when ``required``."""
+    or an error when ``required``. With ``PHALANX_CPU_ISA=amx_emulated``, the emulated AMX build
+    (`build_emulated_amx`; an error, not a fallback, where it cannot be had: asked for by name)."""
     global _module, _failed
     if _module is not None:
+        return _module
+    if emulating_amx() and backend() != "torch":
+        with _lock:
+            if _module is None:
+                _module = build_emulated_amx()
         return _module
     with _lock:
         if _module is None and _failed is None:
@@ -299,7 +340,8 @@ def decode_attention(
 # AMX CPU takes its AVX512-BF16 path). "onednn" selects oneDNN's packed linear (not batch-invariant)
 # for every bf16 linear.
 GEMM_ISAS = {"amx": 3, "avx512_bf16": 2, "avx2": 1}
-ISA_CHOICES = ("auto", *GEMM_ISAS, "onednn")
+# "amx_emulated": the AMX path (3) in software (`build_emulated_amx`), on an AVX512-BF16 CPU.
+ISA_CHOICES = ("auto", *GEMM_ISAS, "amx_emulated", "onednn")
 
 
 def gemm_isa() -> int:
@@ -307,13 +349,19 @@ def gemm_isa() -> int:
     GEMM on AMX tiles (3), AVX512-BF16 (2) or AVX2 + FMA (1), the best this build has at or below
     ``PHALANX_CPU_ISA`` (auto: the best), or 0 — oneDNN's packed linear — when the kernels are off
     or cannot build, the CPU has none of them, or ``PHALANX_CPU_ISA=onednn``. AMX sums in an order
-    of its own (csrc/gemm.cpp): batch-invariant like the others, not the same bits as them."""
+    of its own (csrc/gemm.cpp): batch-invariant like the others, not the same bits as them.
+    ``PHALANX_CPU_ISA=amx_emulated``: the AMX path, its tiles emulated (`build_emulated_amx`)."""
     cap = os.environ.get("PHALANX_CPU_ISA", "auto").strip().lower() or "auto"
     if cap not in ISA_CHOICES:
         raise ValueError(f"PHALANX_CPU_ISA={cap!r} is not valid; valid: {', '.join(ISA_CHOICES)}")
     module = kernel_for(torch.bfloat16)
     if cap == "onednn" or module is None:
         return 0
+    if cap == "amx_emulated":
+        if GEMM_ISAS["amx"] not in module.gemm_isas():  # `load` builds the emulated build only when asked first
+            raise RuntimeError("PHALANX_CPU_ISA=amx_emulated was set after this process loaded the kernels "
+                               "without AMX; set it before the first model loads")
+        return GEMM_ISAS["amx"]
     allowed = [i for name, i in GEMM_ISAS.items() if cap == "auto" or i <= GEMM_ISAS[cap]]
     return next((i for i in module.gemm_isas() if i in allowed), 0)
 

@@ -31,12 +31,30 @@ def _has_amx() -> bool:
     return module is not None and AMX in module.gemm_isas()
 
 
-ATTENTION_PATHS = [
-    pytest.param(TILED, id="tiled"),
-    pytest.param(AMX, id="amx", marks=pytest.mark.skipif(
+def _can_emulate_amx() -> bool:
+    return cpu_ops.kernel_for(torch.bfloat16) is not None and all(
+        f in cpu_ops.cpu_flags() for f in cpu_ops.AMX_EMULATION_NEEDS)
+
+
+# By name; "amx_emulated": the AMX task of the build whose tiles are software (csrc/amx_emulation.h).
+AMX_PATHS = [
+    pytest.param("amx", id="amx", marks=pytest.mark.skipif(
         not _has_amx(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux refused the tile "
                                "state)")),
+    pytest.param("amx_emulated", id="amx_emulated", marks=pytest.mark.skipif(
+        not _can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
 ]
+ATTENTION_PATHS = [pytest.param("tiled", id="tiled"), *AMX_PATHS]
+
+
+def _attention_on(path: str):  # noqa: ANN202
+    """The module and `isa` an ATTENTION_PATHS name runs on."""
+    if path == "amx_emulated":
+        module = cpu_ops.emulated_amx()
+        if module is None:
+            pytest.skip("the emulated AMX build does not build here")
+        return module, AMX
+    return cpu_ops.load(required=True), TILED if path == "tiled" else AMX
 
 
 def _case(seed: int, seqs: int, qlen: int, kvh: int, group: int, head_dim: int, block_size: int,
@@ -82,10 +100,10 @@ def _truth(q, cache, table, visible, scale):  # float64, one query at a time
     max_len=st.integers(5, 70),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-@pytest.mark.parametrize("isa", ATTENTION_PATHS)
-def test_kernel_matches_float64_and_the_reference(isa, seed, seqs, qlen, kvh, group, head_dim, block_size,
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+def test_kernel_matches_float64_and_the_reference(path, seed, seqs, qlen, kvh, group, head_dim, block_size,
                                                   max_len, dtype) -> None:
-    kernel = cpu_ops.load(required=True)
+    kernel, isa = _attention_on(path)
     q, cache, table, visible = _case(seed, seqs, qlen, kvh, group, head_dim, block_size, max_len, dtype)
     scale = head_dim**-0.5
     out = cpu_ops.decode_attention(kernel, q, cache, table, visible, scale, isa)
@@ -102,10 +120,11 @@ def test_kernel_matches_float64_and_the_reference(isa, seed, seqs, qlen, kvh, gr
     torch.testing.assert_close(out.double(), ref.double(), **ref_tol)
 
 
-@pytest.mark.parametrize("isa", ATTENTION_PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("head_dim", [24, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim, isa) -> None:
+def test_kernel_is_batch_and_query_count_invariant(dtype, head_dim, path) -> None:
+    kernel, isa = _attention_on(path)
     q, cache, table, visible = _case(7, seqs=6, qlen=4, kvh=2, group=2, head_dim=head_dim, block_size=16,
                                      max_len=90, dtype=dtype)
     full = kernel.decode_attention(q, cache, table, visible, 0.125, isa)
@@ -121,12 +140,13 @@ def test_kernel_is_batch_and_query_count_invariant(kernel, dtype, head_dim, isa)
     assert torch.equal(kernel.decode_attention(q, cache, wide, visible, 0.125, isa), full)
 
 
-@pytest.mark.parametrize("isa", ATTENTION_PATHS)
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("block_size", [16, 32, 8])
-def test_a_prompt_chunk_attends_as_its_queries_would_decoding(kernel, isa, block_size) -> None:
+def test_a_prompt_chunk_attends_as_its_queries_would_decoding(path, block_size) -> None:
     """A 70-token prompt chunk after 30 cached tokens (query blocks of 32 tokens x 3 heads: rows in
     several 16-row groups, keys read in place or staged): every query's output is bitwise the one it
     gets alone (decoding), and the one it gets in a chunk of another length."""
+    kernel, isa = _attention_on(path)
     gen = torch.Generator().manual_seed(5)
     kvh, group, d, n, done = 2, 3, 64, 70, 30
     width = (done + n + block_size - 1) // block_size
@@ -318,15 +338,16 @@ def test_tiled_bf16_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len
         pytest.skip("no AVX2 + FMA build can run on this CPU")
 
 
-@pytest.mark.skipif(not _has_amx(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux "
-                                           "refused the tile state)")
+@pytest.mark.parametrize("path", AMX_PATHS)
 @pytest.mark.parametrize("head_dim,max_len,qlen,group", [(64, 70, 3, 3), (32, 300, 1, 2), (128, 40, 2, 1),
                                                          (96, 33, 1, 4), (64, 530, 1, 1), (64, 150, 7, 3)])
-def test_amx_attention_is_its_order_bit_for_bit(kernel, head_dim, max_len, qlen, group) -> None:
+def test_amx_attention_is_its_order_bit_for_bit(path, head_dim, max_len, qlen, group) -> None:
     """The AMX task's float32 result (`decode_attention_f32`) is the numpy model of its order
     (`_amx_row`) bit for bit: across 16-key score tiles, 32-key value steps, 16-row groups, staged
     and in-place keys, a masked tail and denormal keys (read as zero). The SDM leaves the tile
-    instruction's internal order to the implementation: this checks it on the CPU that runs."""
+    instruction's internal order to the implementation: this checks it on the CPU that runs, and
+    the emulated tiles (csrc/amx_emulation.h) against the same model on any AVX512-BF16 CPU."""
+    kernel, _ = _attention_on(path)
     q, cache, table, visible = _case(11 + head_dim, seqs=2, qlen=qlen, kvh=2, group=group, head_dim=head_dim,
                                      block_size=16, max_len=max_len, dtype=torch.bfloat16)
     cache[0, 0, 0, 0, :4] = torch.tensor([1e-39, -1e-39, 0.0, 3e-39]).bfloat16()  # denormal keys read as zero

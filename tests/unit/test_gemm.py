@@ -28,15 +28,33 @@ def _paths() -> list[int]:
     return [] if module is None else list(module.gemm_isas())
 
 
+def _can_emulate_amx() -> bool:
+    return all(f in cpu_ops.cpu_flags() for f in cpu_ops.AMX_EMULATION_NEEDS) and bool(_paths())
+
+
+# The paths by name; "amx_emulated": the AMX path of the build whose tiles are software
+# (csrc/amx_emulation.h), which any AVX512-BF16 CPU runs: the AMX code is tested without AMX too.
 PATHS = [
-    pytest.param(AMX, id="amx", marks=pytest.mark.skipif(
+    pytest.param("amx", id="amx", marks=pytest.mark.skipif(
         AMX not in _paths(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux refused "
                                     "the tile state)")),
-    pytest.param(AVX512_BF16, id="avx512_bf16", marks=pytest.mark.skipif(
+    pytest.param("amx_emulated", id="amx_emulated", marks=pytest.mark.skipif(
+        not _can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
+    pytest.param("avx512_bf16", id="avx512_bf16", marks=pytest.mark.skipif(
         AVX512_BF16 not in _paths(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
-    pytest.param(AVX2, id="avx2", marks=pytest.mark.skipif(
+    pytest.param("avx2", id="avx2", marks=pytest.mark.skipif(
         AVX2 not in _paths(), reason="this CPU has no AVX2 + FMA (or the kernels do not build)")),
 ]
+
+
+def _on(path: str):  # noqa: ANN202
+    """The module and GEMM path id a PATHS name runs on."""
+    if path == "amx_emulated":
+        module = cpu_ops.emulated_amx()
+        if module is None:
+            pytest.skip("the emulated AMX build does not build here")
+        return module, AMX
+    return _kernel(), cpu_ops.GEMM_ISAS[path]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, isa: int = AVX2) -> torch.Tensor:
@@ -77,25 +95,25 @@ def _case(n: int, k: int, rows: int, seed: int, bias: bool):  # noqa: ANN202
     return w, x, b
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=40, deadline=None)
 @example(n=1, k=2265, rows=3, bias=False, seed=445)  # one output column, long odd K
 @example(n=17, k=1, rows=7, bias=True, seed=1)  # K = 1: a single half pair
 @example(n=33, k=77, rows=11, bias=True, seed=2)  # the fewest rows whose chunk splits each weight panel once (AVX2)
 @given(n=st.integers(1, 300), k=st.integers(1, 700), rows=st.integers(1, 40), bias=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_gemm_follows_its_summation_order(isa: int, n: int, k: int, rows: int, bias: bool, seed: int) -> None:
-    module = _kernel()
+def test_gemm_follows_its_summation_order(path: str, n: int, k: int, rows: int, bias: bool, seed: int) -> None:
+    module, isa = _on(path)
     w, x, b = _case(n, k, rows, seed, bias)
     assert torch.equal(module.gemm(x, module.pack_pairs(w, isa), n, b, isa), reference(x, w, b, isa))
 
 
-@pytest.mark.parametrize("isa", PATHS)
-def test_the_order_is_pinned(isa: int) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_the_order_is_pinned(path: str) -> None:
     """Other fixed orders — each pair's even element first; the other path family's order — round
     differently on a few of these 65536 outputs: the kernel matches its own stated order there too,
     so the order test pins that order, not just any fixed one."""
-    module = _kernel()
+    module, isa = _on(path)
     w, x, _ = _case(1024, 1024, 64, 3, False)
     xf, wf = x.float(), w.float()
     even_first = torch.zeros(64, 1024)
@@ -108,13 +126,13 @@ def test_the_order_is_pinned(isa: int) -> None:
     assert torch.equal(module.gemm(x, module.pack_pairs(w, isa), 1024, None, isa), want)
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (2816, 512), (100, 33)])
-def test_a_rows_result_is_the_same_for_every_row_count_and_thread_count(isa: int, n: int, k: int) -> None:
+def test_a_rows_result_is_the_same_for_every_row_count_and_thread_count(path: str, n: int, k: int) -> None:
     """Batch invariance: row r of an M-row call equals the same row computed alone, inside any
     sub-batch, and with one thread instead of two (M from 1 past the 96-row work item; on AMX across
     the 16-row tiles)."""
-    module = _kernel()
+    module, isa = _on(path)
     w, x, b = _case(n, k, 203, n + k, True)
     packed = module.pack_pairs(w, isa)
     full = module.gemm(x, packed, n, b, isa)
@@ -130,13 +148,13 @@ def test_a_rows_result_is_the_same_for_every_row_count_and_thread_count(isa: int
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", [1024, 1040])
-def test_a_large_output_follows_the_order(isa: int, n: int) -> None:
+def test_a_large_output_follows_the_order(path: str, n: int) -> None:
     """Outputs of 4 MiB and more: the AMX path writes them past the caches in whole 64-byte lines
     when N is a multiple of 32 (N = 1024; with N = 1040 it stores as usual) — the same bits as the
     order, and as the rows computed alone."""
-    module = _kernel()
+    module, isa = _on(path)
     w, x, b = _case(n, 64, 2048, n, True)
     packed = module.pack_pairs(w, isa)
     full = module.gemm(x, packed, n, b, isa)
@@ -181,9 +199,9 @@ def test_the_amx_packing_pads_whole_tile_steps() -> None:
             module.gemm(torch.randn(2, 72).bfloat16(), module.pack_pairs(w, isa), 40, None, isa)
 
 
-@pytest.mark.parametrize("isa", PATHS)
-def test_gemm_is_close_to_the_exact_product(isa: int) -> None:
-    module = _kernel()
+@pytest.mark.parametrize("path", PATHS)
+def test_gemm_is_close_to_the_exact_product(path: str) -> None:
+    module, isa = _on(path)
     w, x, b = _case(1000, 1408, 9, 0, True)
     got = module.gemm(x, module.pack_pairs(w, isa), 1000, b, isa).double()
     exact = x.double() @ w.double().T + b.double()
@@ -246,10 +264,38 @@ def test_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_ops.gemm_isa() == best
     monkeypatch.setenv("PHALANX_CPU_ISA", "onednn")
     assert cpu_ops.gemm_isa() == 0
+    monkeypatch.setenv("PHALANX_CPU_ISA", "amx_emulated")
+    if AMX in module.gemm_isas():
+        assert cpu_ops.gemm_isa() == AMX
+    else:  # the emulated build is chosen when the kernels first load: too late in this process
+        with pytest.raises(RuntimeError, match="PHALANX_CPU_ISA=amx_emulated was set after this process loaded"):
+            cpu_ops.gemm_isa()
     monkeypatch.setenv("PHALANX_CPU_ISA", "avx512")
     with pytest.raises(ValueError, match="PHALANX_CPU_ISA='avx512' is not valid; valid: auto, amx, avx512_bf16, avx2, "
-                                         "onednn"):
+                                         "amx_emulated, onednn"):
         cpu_ops.gemm_isa()
     monkeypatch.setenv("PHALANX_CPU_ISA", "auto")
     monkeypatch.setenv("PHALANX_KERNELS", "torch")
     assert cpu_ops.gemm_isa() == 0
+
+
+@pytest.mark.skipif(AMX not in _paths(), reason="this CPU has no AMX-BF16 to compare the emulated tiles with")
+def test_the_emulated_tiles_compute_what_amx_does() -> None:
+    """On an AMX CPU, the emulated build's AMX path gives the hardware's bits: across K steps, one and
+    two row tiles and column blocks, odd shapes, denormal inputs (read as zero) and large outputs."""
+    emulated = cpu_ops.emulated_amx()
+    if emulated is None:
+        pytest.skip("the emulated AMX build does not build here")
+    module = _kernel()
+    for n, k, rows in ((1, 2265, 3), (33, 77, 11), (300, 700, 40), (1024, 1024, 64), (1040, 64, 2048)):
+        w, x, b = _case(n, k, rows, n + k, rows % 2 == 1)
+        x[0, :3] = torch.tensor([1e-39, -3e-39, 2e-39]).bfloat16()
+        packed = module.pack_pairs(w, AMX)
+        assert torch.equal(emulated.gemm(x, packed, n, b, AMX), module.gemm(x, packed, n, b, AMX)), (n, k, rows)
+
+
+def test_the_emulated_amx_build_refuses_a_cpu_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    with pytest.raises(ValueError, match="PHALANX_CPU_ISA='amx_emulated' needs a CPU with avx512_bf16 and avx512bw; "
+                                         "this one lacks avx512_bf16, avx512bw"):
+        cpu_ops.build_emulated_amx()

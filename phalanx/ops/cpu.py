@@ -262,13 +262,18 @@ def build_emulated_amx() -> Any:
 
 
 @functools.cache
+def _emulated_amx_build() -> Any:
+    return build_emulated_amx()
+
+
 def emulated_amx() -> Any:
-    """`build_emulated_amx`'s module beside whichever `load` gives (tests compare the two), or None
-    where this CPU cannot run it or it does not build."""
+    """The emulated AMX build (`build_emulated_amx`) beside whichever `load` gives (tests compare the
+    two), or None where this CPU cannot run it or it does not build."""
     if backend() == "torch" or any(f not in cpu_flags() for f in AMX_EMULATION_NEEDS):
         return None
     try:
-        return build_emulated_amx()
+        with _lock:
+            return _emulated_amx_build()
     except Exception as exc:  # no compiler / headers: the tests that need it skip
         log.warning("phalanx: the emulated AMX build failed: %s", (str(exc) or type(exc).__name__).splitlines()[0])
         return None
@@ -276,15 +281,14 @@ def emulated_amx() -> Any:
 
 def load(required: bool = False) -> Any:
     """The compiled module, building it on first use; None when it cannot be built (one warning),
-    or an error when ``required``. With ``PHALANX_CPU_ISA=amx_emulated``, the emulated AMX build
-    (`build_emulated_amx`; an error, not a fallback, where it cannot be had: asked for by name)."""
+    or an error when ``required``. While ``PHALANX_CPU_ISA=amx_emulated``, the emulated AMX build
+    instead (`build_emulated_amx`; an error, not a fallback, where it cannot be had: asked for by
+    name), for the models loaded then (the choice is made per model, as the GEMM path's is)."""
     global _module, _failed
-    if _module is not None:
-        return _module
     if emulating_amx() and backend() != "torch":
         with _lock:
-            if _module is None:
-                _module = build_emulated_amx()
+            return _emulated_amx_build()
+    if _module is not None:
         return _module
     with _lock:
         if _module is None and _failed is None:
@@ -358,10 +362,7 @@ def gemm_isa() -> int:
     if cap == "onednn" or module is None:
         return 0
     if cap == "amx_emulated":
-        if GEMM_ISAS["amx"] not in module.gemm_isas():  # `load` builds the emulated build only when asked first
-            raise RuntimeError("PHALANX_CPU_ISA=amx_emulated was set after this process loaded the kernels "
-                               "without AMX; set it before the first model loads")
-        return GEMM_ISAS["amx"]
+        return GEMM_ISAS["amx"]  # `load` gave the emulated build: it has the AMX path on any CPU it builds for
     allowed = [i for name, i in GEMM_ISAS.items() if cap == "auto" or i <= GEMM_ISAS[cap]]
     return next((i for i in module.gemm_isas() if i in allowed), 0)
 

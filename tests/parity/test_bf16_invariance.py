@@ -144,6 +144,25 @@ def test_the_other_paths_give_their_orders_tokens(path: str, models: dict[str, P
                  f"batched on {path}")
 
 
+def test_the_amx_order_is_batch_invariant_on_emulated_tiles(models: dict[str, Path], alone: list,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AMX, the emulated tiles (PHALANX_CPU_ISA=amx_emulated) run the GEMM's and the
+    attention's AMX code end to end: a batch there equals each request alone there (the 16-row tiles
+    and the attention's row groups do not leak into a row's result), and its tokens or logprobs are
+    not the default order's (the two orders round differently on this model's near-ties). An AMX
+    CPU's default path is covered by the other tests."""
+    if DEFAULT_PATH == cpu_ops.GEMM_ISAS["amx"]:
+        pytest.skip("this CPU's default path is AMX: test_mixed_batch covers it")
+    if cpu_ops.emulated_amx() is None:
+        pytest.skip("the emulated AMX build needs AVX512-BF16 and AVX512BW (and a compiler)")
+    monkeypatch.setenv("PHALANX_CPU_ISA", "amx_emulated")
+    llm = _llm(models["target"], enable_prefix_caching=False)
+    assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["amx"]
+    alone_amx = [_results(llm.generate(p, s, use_tqdm=False))[0] for p, s in zip(_prompts(), _params())]
+    _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone_amx, "batched on emulated AMX")
+    assert alone_amx != alone
+
+
 def test_chunked_prefill(models: dict[str, Path], alone: list) -> None:
     llm = _llm(models["target"], enable_prefix_caching=False, max_num_batched_tokens=16, block_size=8)
     _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone, "chunked")

@@ -3,8 +3,9 @@
 The C++ lives in csrc/ at the repository root, one file per operation: attention.cpp (paged
 attention), cache.cpp (KV writes), norm.cpp (RMSNorm, residual add + RMSNorm), elementwise.cpp
 (rotary, SiLU-and-multiply), argmax.cpp, gemm.cpp (bf16 linears), fused_layer.cpp (a decoder layer
-in one call), chains.cpp (a step's drafting passes in one call), common.h (vector helpers) and
-bindings.cpp (the Python module).
+in one call), chains.cpp (a step's drafting passes in one call), common.h (vector helpers),
+amx_tiles.h / amx_emulation.h (the AMX tile operations, in hardware or, in the build
+`build_emulated_amx` makes, in software) and bindings.cpp (the Python module).
 
 Owns: building / loading that module (`load`, `build`), the backend choice (``PHALANX_KERNELS``),
 `decode_attention` (the paged attention's decode group and prefill chunks), `argmax` (greedy tokens

@@ -144,23 +144,58 @@ def test_the_other_paths_give_their_orders_tokens(path: str, models: dict[str, P
                  f"batched on {path}")
 
 
-def test_the_amx_order_is_batch_invariant_on_emulated_tiles(models: dict[str, Path], alone: list,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU without AMX, the emulated tiles (PHALANX_CPU_ISA=amx_emulated) run the GEMM's and the
-    attention's AMX code end to end: a batch there equals each request alone there (the 16-row tiles
-    and the attention's row groups do not leak into a row's result), and its tokens or logprobs are
-    not the default order's (the two orders round differently on this model's near-ties). An AMX
-    CPU's default path is covered by the other tests."""
+def _skip_unless_emulating_amx() -> None:
     if DEFAULT_PATH == cpu_ops.GEMM_ISAS["amx"]:
-        pytest.skip("this CPU's default path is AMX: test_mixed_batch covers it")
+        pytest.skip("this CPU's default path is AMX: the other tests cover it")
     if cpu_ops.emulated_amx() is None:
         pytest.skip("the emulated AMX build needs AVX512-BF16 and AVX512BW (and a compiler)")
+
+
+@pytest.fixture(scope="module")
+def alone_amx(models: dict[str, Path]) -> list[tuple[list[int], list]]:
+    """Each request alone on the emulated AMX tiles (PHALANX_CPU_ISA=amx_emulated): a CPU without
+    AMX runs the GEMM's and the attention's AMX code, in AMX's order."""
+    _skip_unless_emulating_amx()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PHALANX_CPU_ISA", "amx_emulated")
+        llm = _llm(models["target"], enable_prefix_caching=False)
+        assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["amx"]
+        return [_results(llm.generate(p, s, use_tqdm=False))[0] for p, s in zip(_prompts(), _params())]
+
+
+def test_the_amx_order_is_batch_invariant_on_emulated_tiles(models: dict[str, Path], alone: list,
+                                                            alone_amx: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AMX, the emulated tiles run the AMX code end to end: a batch there equals each
+    request alone there (the 16-row tiles and the attention's row groups do not leak into a row's
+    result), and its tokens or logprobs are not the default order's (the two orders round
+    differently on this model's near-ties). An AMX CPU's default path is covered by the other tests."""
     monkeypatch.setenv("PHALANX_CPU_ISA", "amx_emulated")
     llm = _llm(models["target"], enable_prefix_caching=False)
-    assert llm.engine.runner.model.lm_head.isa == cpu_ops.GEMM_ISAS["amx"]
-    alone_amx = [_results(llm.generate(p, s, use_tqdm=False))[0] for p, s in zip(_prompts(), _params())]
     _assert_same(_results(llm.generate(_prompts(), _params(), use_tqdm=False)), alone_amx, "batched on emulated AMX")
     assert alone_amx != alone
+
+
+AMX_SPEC = [("draft_model", 3), ("eagle3", 3), ("ngram", 5)]
+
+
+@pytest.mark.parametrize("method,k", AMX_SPEC, ids=[f"{m}-k{k}" for m, k in AMX_SPEC])
+def test_speculative_decoding_is_exact_in_the_amx_order(method: str, k: int, models: dict[str, Path],
+                                                        alone_amx: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`test_speculative_decoding` on the emulated AMX tiles: an AMX CPU's verification rows (k + 1
+    to a request, in its tiles) give the tokens and logprobs its one-row decoding gives; with the
+    target as its own draft model every greedy draft is accepted."""
+    monkeypatch.setenv("PHALANX_CPU_ISA", "amx_emulated")
+    spec: dict = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
+    else:
+        spec["model"] = str(models["target"] if method == "draft_model" else models[method])
+    llm = _llm(models["target"], enable_prefix_caching=False, speculative_config=spec)
+    raw = llm.generate(_prompts(), _params(), use_tqdm=False)
+    _assert_same(_results(raw), alone_amx, f"{method} k={k} on emulated AMX")
+    assert llm.get_metrics()["spec_num_drafts"] > 0
+    if method == "draft_model":
+        assert all(o.outputs[0].num_accepted_tokens == o.outputs[0].num_draft_tokens > 0 for o in raw[::2])
 
 
 def test_chunked_prefill(models: dict[str, Path], alone: list) -> None:

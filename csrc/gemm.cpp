@@ -299,11 +299,11 @@ void run_avx2(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
 #endif
 
 #if PHALANX_AMX
-// Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA, once, for every thread); without that grant a tile instruction faults.
 #if defined(PHALANX_EMULATE_AMX)
 bool amx_granted() { return true; }  // the tiles are this build's own (amx_emulation.h)
 #else
+// Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, once, for every thread); without that grant a tile instruction faults.
 bool amx_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                       18 /* XFEATURE_XTILEDATA */) == 0;

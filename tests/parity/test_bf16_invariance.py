@@ -23,6 +23,7 @@ import torch
 from phalanx import LLM, SamplingParams
 from phalanx.ops import cpu as cpu_ops
 from tests.dp.harness import RankJob, run_ranks
+from tests.emulated_amx import emulated_amx_module
 from tests.tiny_models import VOCAB, make_eagle_head
 from tests.tokenizer_fixtures import make_byte_bpe_tokenizer
 
@@ -144,18 +145,13 @@ def test_the_other_paths_give_their_orders_tokens(path: str, models: dict[str, P
                  f"batched on {path}")
 
 
-def _skip_unless_emulating_amx() -> None:
-    if DEFAULT_PATH == cpu_ops.GEMM_ISAS["amx"]:
-        pytest.skip("this CPU's default path is AMX: the other tests cover it")
-    if cpu_ops.emulated_amx() is None:
-        pytest.skip("the emulated AMX build needs AVX512-BF16 and AVX512BW (and a compiler)")
-
-
 @pytest.fixture(scope="module")
 def alone_amx(models: dict[str, Path]) -> list[tuple[list[int], list]]:
     """Each request alone on the emulated AMX tiles (PHALANX_CPU_ISA=amx_emulated): a CPU without
     AMX runs the GEMM's and the attention's AMX code, in AMX's order."""
-    _skip_unless_emulating_amx()
+    if DEFAULT_PATH == cpu_ops.GEMM_ISAS["amx"]:
+        pytest.skip("this CPU's default path is AMX: the other tests cover it")
+    emulated_amx_module()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PHALANX_CPU_ISA", "amx_emulated")
         llm = _llm(models["target"], enable_prefix_caching=False)

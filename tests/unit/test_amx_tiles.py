@@ -44,3 +44,26 @@ def test_the_tile_rows_reach_ldtilecfg() -> None:
     nothing and loaded a zeroed block with only its palette byte set."""
     body = _body_before_ldtilecfg(_assembly(PROBE))
     assert re.search(r"\(%rdi\)", body), f"the rows never reach the tile configuration:\n{body}"
+
+
+@pytest.mark.parametrize("source", ["gemm.cpp", "attention.cpp"])
+def test_the_amx_code_compiles_for_an_amx_target(source: str) -> None:
+    """The GEMM's and the attention's AMX code calls the tile instructions through amx_tiles.h's
+    `px_tile_*` names; a CPU without AMX builds that code only with the tiles emulated. A syntax-only
+    compile for -march=sapphirerapids checks, on any x86-64 machine, that the hardware build still
+    compiles, with its AMX code in (PHALANX_AMX) and not emulated."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C++ compiler")
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in (str(CSRC), *include_paths(), sysconfig.get_paths()["include"])]
+    probe = (f'#include "{source}"\n#if !PHALANX_AMX || defined(PHALANX_EMULATE_AMX)\n'
+             '#error the AMX code is not in this build\n#endif\n')
+    run = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-fopenmp", "-march=sapphirerapids", *includes,
+                          "-x", "c++", "-"], input=probe, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and "sapphirerapids" in run.stderr:
+        pytest.skip(f"this compiler has no -march=sapphirerapids: {run.stderr.strip()[:200]}")
+    assert run.returncode == 0, run.stderr[-4000:]

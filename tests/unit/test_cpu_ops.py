@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from phalanx.attention.torch_paged import _decode_group_attention
 from phalanx.ops import cpu as cpu_ops
+from tests.emulated_amx import can_emulate_amx, emulated_amx_module
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +32,13 @@ def _has_amx() -> bool:
     return module is not None and AMX in module.gemm_isas()
 
 
-def _can_emulate_amx() -> bool:
-    return cpu_ops.kernel_for(torch.bfloat16) is not None and all(
-        f in cpu_ops.cpu_flags() for f in cpu_ops.AMX_EMULATION_NEEDS)
-
-
 # By name; "amx_emulated": the AMX task of the build whose tiles are software (csrc/amx_emulation.h).
 AMX_PATHS = [
     pytest.param("amx", id="amx", marks=pytest.mark.skipif(
         not _has_amx(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux refused the tile "
                                "state)")),
     pytest.param("amx_emulated", id="amx_emulated", marks=pytest.mark.skipif(
-        not _can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
+        not can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
 ]
 ATTENTION_PATHS = [pytest.param("tiled", id="tiled"), *AMX_PATHS]
 
@@ -50,10 +46,7 @@ ATTENTION_PATHS = [pytest.param("tiled", id="tiled"), *AMX_PATHS]
 def _attention_on(path: str):  # noqa: ANN202
     """The module and `isa` an ATTENTION_PATHS name runs on."""
     if path == "amx_emulated":
-        module = cpu_ops.emulated_amx()
-        if module is None:
-            pytest.skip("the emulated AMX build does not build here")
-        return module, AMX
+        return emulated_amx_module(), AMX
     return cpu_ops.load(required=True), TILED if path == "tiled" else AMX
 
 

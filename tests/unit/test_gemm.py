@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phalanx.ops import cpu as cpu_ops
+from tests.emulated_amx import can_emulate_amx, emulated_amx_module
 
 AMX, AVX512_BF16, AVX2 = (cpu_ops.GEMM_ISAS[name] for name in ("amx", "avx512_bf16", "avx2"))
 
@@ -28,10 +29,6 @@ def _paths() -> list[int]:
     return [] if module is None else list(module.gemm_isas())
 
 
-def _can_emulate_amx() -> bool:
-    return all(f in cpu_ops.cpu_flags() for f in cpu_ops.AMX_EMULATION_NEEDS) and bool(_paths())
-
-
 # The paths by name; "amx_emulated": the AMX path of the build whose tiles are software
 # (csrc/amx_emulation.h), which any AVX512-BF16 CPU runs: the AMX code is tested without AMX too.
 PATHS = [
@@ -39,7 +36,7 @@ PATHS = [
         AMX not in _paths(), reason="this CPU has no AMX-BF16 (or the kernels do not build, or Linux refused "
                                     "the tile state)")),
     pytest.param("amx_emulated", id="amx_emulated", marks=pytest.mark.skipif(
-        not _can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
+        not can_emulate_amx(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
     pytest.param("avx512_bf16", id="avx512_bf16", marks=pytest.mark.skipif(
         AVX512_BF16 not in _paths(), reason="this CPU has no AVX512-BF16 (or the kernels do not build)")),
     pytest.param("avx2", id="avx2", marks=pytest.mark.skipif(
@@ -50,10 +47,7 @@ PATHS = [
 def _on(path: str):  # noqa: ANN202
     """The module and GEMM path id a PATHS name runs on."""
     if path == "amx_emulated":
-        module = cpu_ops.emulated_amx()
-        if module is None:
-            pytest.skip("the emulated AMX build does not build here")
-        return module, AMX
+        return emulated_amx_module(), AMX
     return _kernel(), cpu_ops.GEMM_ISAS[path]
 
 
@@ -282,9 +276,7 @@ def test_the_isa_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_emulated_tiles_compute_what_amx_does() -> None:
     """On an AMX CPU, the emulated build's AMX path gives the hardware's bits: across K steps, one and
     two row tiles and column blocks, odd shapes, denormal inputs (read as zero) and large outputs."""
-    emulated = cpu_ops.emulated_amx()
-    if emulated is None:
-        pytest.skip("the emulated AMX build does not build here")
+    emulated = emulated_amx_module()
     module = _kernel()
     for n, k, rows in ((1, 2265, 3), (33, 77, 11), (300, 700, 40), (1024, 1024, 64), (1040, 64, 2048)):
         w, x, b = _case(n, k, rows, n + k, rows % 2 == 1)

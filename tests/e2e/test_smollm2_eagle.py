@@ -20,6 +20,7 @@ import pytest
 from phalanx.bench.metrics import parse_prometheus, spec_counters
 from phalanx.ops import cpu as cpu_ops
 from tests.e2e.conftest import ServerProcess, start_server
+from tests.emulated_amx import can_emulate_amx
 from tests.real_model import messages, smollm2_gguf
 
 HEAD = "smollm2-135m-instruct-eagle3"
@@ -73,9 +74,7 @@ def _other_order() -> str | None:
     flags = cpu_ops.cpu_flags()
     if "amx_bf16" in flags and "avx512_bf16" in flags:
         return "avx512_bf16"
-    if all(f in flags for f in cpu_ops.AMX_EMULATION_NEEDS):
-        return "amx_emulated"
-    return None
+    return "amx_emulated" if can_emulate_amx() else None
 
 
 @pytest.mark.slow

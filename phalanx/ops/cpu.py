@@ -246,9 +246,14 @@ def _import_built(directory: Path, built_as: dict[str, Any]) -> Any:
 AMX_EMULATION_NEEDS = ("avx512_bf16", "avx512bw")
 
 
+def _isa_cap() -> str:
+    """``PHALANX_CPU_ISA`` as given, normalised (not checked: `gemm_isa` checks it)."""
+    return os.environ.get("PHALANX_CPU_ISA", "auto").strip().lower() or "auto"
+
+
 def emulating_amx() -> bool:
     """Whether ``PHALANX_CPU_ISA=amx_emulated`` asks for the build whose AMX path runs in software."""
-    return os.environ.get("PHALANX_CPU_ISA", "").strip().lower() == "amx_emulated"
+    return _isa_cap() == "amx_emulated"
 
 
 def build_emulated_amx() -> Any:
@@ -356,7 +361,7 @@ def gemm_isa() -> int:
     or cannot build, the CPU has none of them, or ``PHALANX_CPU_ISA=onednn``. AMX sums in an order
     of its own (csrc/gemm.cpp): batch-invariant like the others, not the same bits as them.
     ``PHALANX_CPU_ISA=amx_emulated``: the AMX path, its tiles emulated (`build_emulated_amx`)."""
-    cap = os.environ.get("PHALANX_CPU_ISA", "auto").strip().lower() or "auto"
+    cap = _isa_cap()
     if cap not in ISA_CHOICES:
         raise ValueError(f"PHALANX_CPU_ISA={cap!r} is not valid; valid: {', '.join(ISA_CHOICES)}")
     module = kernel_for(torch.bfloat16)

@@ -771,7 +771,7 @@ class StepCostModel:
             # up to twice its forward on a small model whose steps are half Python.
             f = self._forward
             shape = self.shape(x, lg, dr_rows)  # [window]
-            scale, forward_fixed = self._forward_fit(base_rows, w, wd if total > 0 else None, shape, inside)
+            scale, forward_fixed = self._forward_fit(base_rows, w, (wd, share) if total > 0 else None, shape, inside)
             rest = t - f
             rest_row, verify_cost = 0.0, verify_prior
             if total > 0:
@@ -814,11 +814,12 @@ class StepCostModel:
             float(fixed), float(target_row + drafter_row), float(logit_row + fed_row), float(first_cost),
             float(pass_cost), float(verify_cost), 0.0, catch_up_row, drafter_row, request_cost))
 
-    def _forward_fit(self, base_rows: float, w: np.ndarray, wd: np.ndarray | None, shape: np.ndarray,
-                     inside: np.ndarray) -> tuple[float, float]:
+    def _forward_fit(self, base_rows: float, w: np.ndarray, pairs: tuple[np.ndarray, float] | None,
+                     shape: np.ndarray, inside: np.ndarray) -> tuple[float, float]:
         """The target's forward near `base_rows` as (scale, fixed): forward = fixed + scale * shape
-        (`w`: the steps' weights, `wd`: the step-to-step pairs', normalised, None: no pair; `shape`:
-        the window's profiled shapes; `inside`: the steps within the fit's cut).
+        (`w`: the steps' weights; `pairs`: the step-to-step pairs' weights, normalised, and their
+        `share` (1 / their effective number) as `fit` computed them, None: no pair; `shape`: the
+        window's profiled shapes; `inside`: the steps within the fit's cut).
 
         Served forwards take longer than the profile says (SmolLM2 on AVX512-BF16 at 32 requests:
         23.7 ms against 18.5), and not in proportion: over the same steps the forward grew 9.5 ms
@@ -837,9 +838,9 @@ class StepCostModel:
         f = self._forward
         ms, mf = float(w @ shape), float(w @ f)
         ratio = mf / max(ms, 1e-12)  # > 0: every forward in the profile took time
-        if wd is None:
+        if pairs is None:
             return ratio, 0.0
-        share = float(wd @ wd)
+        wd, share = pairs
         clean = (self._decode_steps() & inside).astype(np.float64)
         wc = wd * clean * np.roll(clean, 1)
         ds, df = shape - np.roll(shape, 1), f - np.roll(f, 1)

@@ -573,9 +573,14 @@ class StepCostModel:
                 raise ValueError(f"grouped profile seconds must be > 0, got {grouped_seconds!r}")
             if group < 2:
                 raise ValueError(f"grouped profile needs rows grouped 2 or more to a sequence, got group={group}")
-        # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so).
-        fwd = np.maximum.accumulate(np.asarray(forward_seconds, dtype=np.float64))
-        head = np.maximum.accumulate(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
+        # Non-decreasing (a bigger batch never takes less time; noise in the measurement can say so),
+        # from below: noise only ever slows a run down, so a point above a larger batch's is the
+        # outlier and takes that batch's time. (A running maximum from the left kept the outlier
+        # instead and flattened the curve after it: SmolLM2's 15 rows once timed 13.9 ms against
+        # 12.9 at 16 and 13.3 at 17, so 15-17 rows cost nothing, a draft row at 16 requests was
+        # priced at a third of what it took, and a step without drafts 15 % above its own time.)
+        fwd = _envelope_from_below(np.asarray(forward_seconds, dtype=np.float64))
+        head = _envelope_from_below(np.maximum(np.asarray(head_seconds, dtype=np.float64), 0.0))
         # The head over 0 rows costs nothing (a step of prompt rows only).
         self._profile = (r, fwd, np.concatenate([[0.0], r]), np.concatenate([[0.0], head]))
         self.measured_profile = StepProfile(list(rows), list(forward_seconds), list(head_seconds), grouped_rows,
@@ -1139,13 +1144,19 @@ class StepCostModel:
         return curve, s * (f.first_cost + f.verify_cost), s * f.pass_cost
 
 
+def _envelope_from_below(seconds: np.ndarray) -> np.ndarray:
+    """The largest non-decreasing curve at or below `seconds` (timings along rising batch sizes):
+    each point the least of its own and every larger batch's time."""
+    return np.minimum.accumulate(seconds[::-1])[::-1]
+
+
 def _interp(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """Linear between the points (xs rising), along the first segment below them, never below 0;
     beyond them along the last segment or the slope over their upper half, the steeper. A profile
-    that ends early (a slow CPU: SmolLM2 on Zen 1 stops at 64 rows) may end in a flat segment, the
-    running maximum's after a noisy spike (319 ms at 49 rows and, measured lower, at 64): extended,
-    it priced every row past 64 at nothing, and 32 requests drafted 3 each, steps of ~950 ms
-    predicted at 560 (0.6x decoding without drafts)."""
+    that ends early (a slow CPU: SmolLM2 on Zen 1 stops at 64 rows) may end in a flat segment (a
+    noisy spike at 49 rows, measured lower at 64, takes 64's time: 49 to 64 rows cost nothing):
+    extended, it priced every row past 64 at nothing, and 32 requests drafted 3 each, steps of
+    ~950 ms predicted at 560 (0.6x decoding without drafts)."""
     x = np.asarray(x, dtype=np.float64)
     if xs.size == 1:
         return np.maximum(ys[0] * x / max(xs[0], 1.0), 0.0)

@@ -612,7 +612,10 @@ def test_a_profile_point_slower_than_a_larger_batch_is_measured_again() -> None:
     stuck = SimpleNamespace(expert_shard=None, block_size=16, num_blocks=64,
                             _time_rows=lambda rows, blocks, context, group=1: (1.0 if rows == 49 else 0.01 * rows, 0.0))
     rows, fwd, *_ = ModelRunner.profile_step_curve(stuck, 64, repeats=1, retries=2)  # type: ignore[arg-type]
-    assert fwd[rows.index(49)] == 1.0  # still slow after the retries: set_profile's running maximum takes it
+    assert fwd[rows.index(49)] == 1.0  # still slow after the retries
+    costs = StepCostModel()
+    costs.set_profile(rows, fwd, [0.0] * len(rows))  # which takes the larger batch's time for it
+    assert float(costs.shape(49, 0)) == pytest.approx(0.64) and float(costs.shape(56, 0)) == pytest.approx(0.64)
 
 
 def test_the_profile_prices_small_batches_on_the_gemms_own_row_blocks() -> None:

@@ -16,6 +16,7 @@ repetitive prompts; --questions takes the prompts from a JSONL file (`question`,
     python benchmarks/adaptive_offline.py --concurrency 16 --rounds 4
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 4 --cap 1,2,3
     python benchmarks/adaptive_offline.py --concurrency 32 --rounds 2 --only adaptive   # one engine
+    python benchmarks/adaptive_offline.py --mixed --concurrency 16 --prompts 128 --rounds 4 --only pair
     python benchmarks/adaptive_offline.py --model phalanx-math --spec '{"method": "eagle", "model": \
         "phalanx-math-eagle", "num_speculative_tokens": 3}' --questions evals/phalanx-math/phalanx_math_test.jsonl \
         --mixed --concurrency 16 --rounds 6 --prompts 128 --cap 1,3
@@ -45,9 +46,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--cap", default="1", help="the static engine's per-request draft lengths (e.g. 1,2,3)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--only", choices=("adaptive", "static", "plain"), default=None,
+    ap.add_argument("--only", choices=("adaptive", "static", "plain", "pair"), default=None,
                     help="one engine alone: the adaptive one, the static one capped at --cap, or one without "
-                         "a drafter (to compare two builds process by process, e.g. one on PYTHONPATH)")
+                         "a drafter (to compare two builds process by process, e.g. one on PYTHONPATH); "
+                         "pair: the adaptive engine and its requests opted out, each round's steps, "
+                         "forward and drafter seconds printed")
     ap.add_argument("--mixed", action="store_true",
                     help="every other request opted out, the rest code-like repetitive prompts")
     ap.add_argument("--questions", type=Path, default=None,
@@ -73,6 +76,8 @@ def main() -> None:
     else:
         adaptive = LLM(args.model, speculative_config=dict(spec, adaptive=True), max_num_seqs=args.concurrency)
         modes = {"adaptive": (adaptive, {})}
+        if args.only == "pair":
+            modes["plain@adaptive"] = (adaptive, {"speculative": False})
         if args.only is None:
             static = LLM(args.model, speculative_config=spec, max_num_seqs=args.concurrency)
             modes = {
@@ -99,9 +104,16 @@ def main() -> None:
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for name, (llm, extra) in order:
             before = llm.engine.stats()
+            runner = llm.engine.runner
+            work = (llm.engine.num_steps, runner.forward_seconds, runner.drafter_seconds, llm.engine.step_seconds)
             start = time.perf_counter()
             outs = llm.chat(msgs, params(extra, args.max_tokens), use_tqdm=False)
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+            if args.only == "pair":  # where the round's time went
+                steps, fwd, drafter, stepped = (b - a for a, b in zip(work, (
+                    llm.engine.num_steps, runner.forward_seconds, runner.drafter_seconds, llm.engine.step_seconds)))
+                print(f"  {name}: {steps} steps, forward {fwd:.3f} s, drafter {drafter:.3f} s, "
+                      f"rest of the steps {stepped - fwd - drafter:.3f} s", flush=True)
             if name == deepest:
                 after = llm.engine.stats()
                 verified += after.spec_num_drafts - before.spec_num_drafts
@@ -123,6 +135,9 @@ def main() -> None:
         best = max(others, key=lambda k: medians[k])
         paired = statistics.median(a / max(rates[k][i] for k in others) for i, a in enumerate(rates["adaptive"]))
         line += f"; adaptive / {best} {medians['adaptive'] / medians[best]:.3f}, paired by round {paired:.3f}"
+    if "plain@adaptive" in medians:
+        paired = statistics.median(a / p for a, p in zip(rates["adaptive"], rates["plain@adaptive"]))
+        line += f"; adaptive / plain@adaptive {medians['adaptive'] / medians['plain@adaptive']:.3f}, paired {paired:.3f}"
     print(line, flush=True)
     if verified:  # conditional rate at j: accepted at j over accepted at j - 1 (all drafted the cap)
         conditional = [a / (accepted[j - 1] if j else verified) for j, a in enumerate(accepted) if (accepted[j - 1] if j else verified)]

@@ -9,7 +9,7 @@ of requests in the step (prompt-chunk steps apart), then the steps of exactly `-
 decoding (no prompt rows) grouped by (draft rows verified, drafter passes): mean step, forward and
 drafter milliseconds and tokens per step. The same batch shape taking different time under two
 configurations, or a shape that costs more than its rows suggest, shows here first. With the
-adaptive policy, last, how it decided (`decision`: static, fresh, reused, explore, wide) and how
+adaptive policy, last, how it decided (`decision`: static, fresh, reused, explore, wide, quiet) and how
 many of the steps that verified drafts each kind of decision gave their drafts (a decision is
 taken in one step's scheduling, its drafts verified in the next step). --span keeps one run's
 steps: `adaptive_spec.py` prints each run's span (the same clock) and records them per round.

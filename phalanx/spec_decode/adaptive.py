@@ -54,6 +54,17 @@ COSTLY_EXPLORE_EVERY = 4 * EXPLORE_EVERY
 # measured and clearly loses, it is not tried again until its measurement ages out of the window.
 WIDE_EXPLORE_EVERY = 64
 WIDE_EXPLORE_MARGIN = 0.8
+# Every this many decisions (half-way between the wide explorations), where the policy drafts and
+# fewer than QUIET_STEPS of the window's decode steps about this batch size verified nothing, no
+# request drafts (a quiet exploration, in place of that decision's one draft more): a policy that
+# drafts every step never measures the step it compares drafting with, and prices it from the
+# drafting steps, along the profile's shape, with the verification's fixed cost left in it. On
+# SmolLM2 (AVX512-BF16 EPYC, the mixed workload at 16 requests, drafting one for ~7 of 16 every
+# step) that step was priced at 17.7-17.9 ms where it took 16.8, so drafting, a wash, looked 6 %
+# better than drafting nothing. One quiet step costs what drafting gains in a step (~0.4 of one at
+# one request); as rare as this, ~0.3 % where drafting pays most.
+QUIET_EXPLORE_EVERY = 4 * EXPLORE_EVERY
+QUIET_STEPS = 4
 # A batch that reaches its ends with the same requests that may draft (a cap above 0; those that
 # may not come and go freely) and base rows as the last decision keeps that decision for up to
 # this many decisions in all (an exploration still comes when due): at one request the decision,
@@ -492,6 +503,7 @@ class StepCostModel:
         self._grid_points: dict[float, int] = {}  # rows -> `grid_point(rows)`
         self._near: dict[int, bool] = {}  # grid point -> some step measured within its cut (as long as the fits)
         self._drafted: set[int] = set()  # grid points with enough drafting steps near (`drafted_near`; as long as the fits)
+        self._undrafted: set[int] = set()  # likewise, steps verifying nothing (`only_drafted_near`)
         # Each prior weighs as much as one step this far (rows, passes) from the mean of the others.
         # The verification's prior (0) weighs one pair of steps, as a pass's does. Weighing 8, served
         # SmolLM2 at concurrency 16 drafted one token for most requests at a loss (0.90x plain):
@@ -704,6 +716,25 @@ class StepCostModel:
             return False
         self._drafted.add(j)
         return True
+
+    def only_drafted_near(self, base_rows: float, enough: int) -> bool:
+        """Whether the window's decode steps (no prompt rows, no drafter catch-up) with their rows
+        within the fit's cut of the grid point that stands for `base_rows` include at least
+        `enough` that verified drafts and fewer than `enough` that verified none: the step
+        drafting is weighed against is extrapolated from drafting steps there, not measured
+        (`QUIET_EXPLORE_EVERY`). A no for having enough of the latter stands as long as the fits
+        do (`_expire`)."""
+        self._expire()
+        j = self.grid_point(base_rows)
+        if j in self._undrafted:
+            return False
+        near = np.abs(self._nearness(self._grid_rows(j))) <= 2.0
+        steps = np.isfinite(self._step) & near & self._decode_steps() & ~self._caught_up()
+        quiet = int((steps & (self._drafts == 0)).sum())
+        if quiet >= enough:
+            self._undrafted.add(j)
+            return False
+        return int(steps.sum()) - quiet >= enough
 
     def _near_any(self, j: int) -> bool:
         """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands
@@ -1024,6 +1055,7 @@ class StepCostModel:
             self._curves.clear()
             self._near.clear()
             self._drafted.clear()
+            self._undrafted.clear()
             self._fits_since, self._fits_since_seconds = self._count, self._seconds_seen
 
     def grid_point(self, rows: float) -> int:
@@ -1203,7 +1235,8 @@ class AdaptiveDrafting:
         self._quiet_from: int | None = None  # the first of the decisions in a row that drafted nothing
         self._quiet_rows = 0  # the fewest base rows among those decisions
         # How the last `choose` decided (the step log records it): "static" (every cap, too little
-        # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap).
+        # measured), "reused", "fresh", "explore" (one request a draft more), "wide" (every cap),
+        # "quiet" (no request drafts: `QUIET_EXPLORE_EVERY`).
         self.last_decision = ""
         # With `explain` (the engine's step log is on), a fresh decision also leaves what the model
         # predicted in `last_prediction`: tokens per second of the lengths chosen, of drafting
@@ -1290,6 +1323,10 @@ class AdaptiveDrafting:
             self._quiet_from, self._quiet_rows = self._decisions, base_rows
         else:
             self._quiet_rows = min(self._quiet_rows, base_rows)
+        if (self._decisions % QUIET_EXPLORE_EVERY == EXPLORE_EVERY and any(lengths)
+                and self.costs.only_drafted_near(base_rows, QUIET_STEPS)):
+            self.last_decision = "quiet"
+            return [0] * len(caps)
         if self._decisions % WIDE_EXPLORE_EVERY == 0 and lengths != caps:
             waiting = sum(lag for lag, n, c in zip(lags, lengths, caps) if c > 0 and n == 0) if lags else 0
             catch_up = self.costs.catch_up_cost(base_rows) * waiting if waiting else 0.0

@@ -725,16 +725,16 @@ def test_the_step_log_records_every_step(models: dict[str, Path], tmp_path: Path
     assert int(fields[fields.index("with") + 1]) > 0  # the 3 requests drafted in some decode steps
     decisions = [s["decision"] for s in steps]
     chosen = [d for d in decisions if d]
-    assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide"}
+    assert set(decisions) <= {"", "static", "reused", "fresh", "explore", "wide", "quiet"}
     first_own = next(i for i, d in enumerate(chosen) if d != "static")  # (a step's timing reaches the policy a step late)
     assert MIN_DRAFTING_STEPS <= first_own <= MIN_DRAFTING_STEPS + 1 and "static" not in chosen[first_own:]
     # Each fresh decision (explorations start from one) carries what the cost model predicted: the
     # choice never below drafting nothing, nor below every cap by more than the margin drafting must
     # clear (DRAFT_MIN_GAIN) and the search's own inexactness with per-request costs (policy module).
     predicted = [(s["decision"], s["predicted"]) for s in steps if "predicted" in s]
-    assert predicted and len(predicted) == sum(d in ("fresh", "explore", "wide") for d in decisions)
-    for kind, pr in predicted:
-        assert kind in ("fresh", "explore", "wide") and pr["base_rows"] >= 1 and pr["draft_rows"] >= 0
+    assert predicted and len(predicted) == sum(d in ("fresh", "explore", "wide", "quiet") for d in decisions)
+    for kind, pr in predicted:  # (a quiet exploration's: the fresh choice it stood in for)
+        assert kind in ("fresh", "explore", "wide", "quiet") and pr["base_rows"] >= 1 and pr["draft_rows"] >= 0
         assert pr["chosen"] >= pr["none"] - 0.01 and pr["chosen"] >= pr["caps"] / (1 + DRAFT_MIN_GAIN) / 1.05
         # the parts of the chosen lengths' predicted time: a step, and what drafting adds to it
         parts = [pr[k] for k in ("ms_rows", "ms_first", "ms_passes", "ms_requests")]

@@ -32,6 +32,8 @@ from phalanx.spec_decode.adaptive import (
     PARK_AFTER,
     PRIOR_FIXED_ROWS,
     PROFILE_ROWS,
+    QUIET_EXPLORE_EVERY,
+    QUIET_STEPS,
     REUSE_DECISIONS,
     WIDE_EXPLORE_EVERY,
     AcceptanceStats,
@@ -1073,6 +1075,39 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
         chosen = [policy.choose(["a"], [3], base_rows=1) for _ in range(WIDE_EXPLORE_EVERY - 1)]
         assert [i for i, c in enumerate(chosen) if c != [1]] == list(range(every - 1, WIDE_EXPLORE_EVERY - 1, every))
         assert all(c == [2] for c in chosen if c != [1])
+
+
+def test_a_policy_that_drafts_every_step_measures_a_step_without_drafts_now_and_then() -> None:
+    """Every step near 16 requests verified drafts: the step drafting is weighed against is only
+    extrapolated from them. Every QUIET_EXPLORE_EVERY decisions (half-way between the wide
+    explorations) no request drafts, until the window holds QUIET_STEPS decode steps about this
+    size that verified nothing; then the policy drafts as it chose. A policy that drafts nothing
+    has those steps already, and one with no steps near here has nothing to extrapolate from."""
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
+    for _ in range(32):  # 16 requests, 6 of them verifying a draft
+        policy.observe_step(22, 0.02, 0.001, 1, num_draft_rows=6)
+    policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+    policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
+    policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+        [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 3)
+
+    def run(n: int) -> tuple[list[list[int]], list[int]]:
+        chosen, quiet = [], []
+        for _ in range(n):
+            chosen.append(policy.choose(["a"], [3], base_rows=16))
+            if policy.last_decision == "quiet":
+                quiet.append(policy._decisions)
+        return chosen, quiet
+
+    chosen, quiet = run(QUIET_EXPLORE_EVERY + EXPLORE_EVERY)
+    assert quiet == [EXPLORE_EVERY, QUIET_EXPLORE_EVERY + EXPLORE_EVERY]
+    assert [c for c in chosen if c != [3]] == [[0], [0]]
+    assert policy.costs.only_drafted_near(16, QUIET_STEPS) and not policy.costs.only_drafted_near(64, QUIET_STEPS)
+    for _ in range(QUIET_STEPS):  # the steps those decisions gave: nothing verified
+        policy.observe_step(16, 0.016, 0.0, 0)
+    assert run(QUIET_EXPLORE_EVERY) == ([[3]] * QUIET_EXPLORE_EVERY, [])
 
 
 def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None:

@@ -718,17 +718,17 @@ class StepCostModel:
         return True
 
     def only_drafted_near(self, base_rows: float, enough: int) -> bool:
-        """Whether the window's decode steps (no prompt rows, no drafter catch-up) with their rows
-        within the fit's cut of the grid point that stands for `base_rows` include at least
-        `enough` that verified drafts and fewer than `enough` that verified none: the step
-        drafting is weighed against is extrapolated from drafting steps there, not measured
-        (`QUIET_EXPLORE_EVERY`). A no for having enough of the latter stands as long as the fits
-        do (`_expire`)."""
+        """Whether the window's decode steps (no prompt rows, no drafter catch-up) with their base
+        (rows besides the drafts they verified) within the fit's cut of the grid point that stands
+        for `base_rows` include at least `enough` that verified drafts and fewer than `enough` that
+        verified none: the step drafting is weighed against is extrapolated from drafting steps
+        there, not measured (`QUIET_EXPLORE_EVERY`). A no for having enough of the latter stands as
+        long as the fits do (`_expire`)."""
         self._expire()
         j = self.grid_point(base_rows)
         if j in self._undrafted:
             return False
-        near = np.abs(self._nearness(self._grid_rows(j))) <= 2.0
+        near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
         steps = np.isfinite(self._step) & near & self._decode_steps() & ~self._caught_up()
         quiet = int((steps & (self._drafts == 0)).sum())
         if quiet >= enough:

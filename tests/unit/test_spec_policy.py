@@ -1084,8 +1084,8 @@ def test_a_policy_that_drafts_every_step_measures_a_step_without_drafts_now_and_
     size that verified nothing; then the policy drafts as it chose. A policy that drafts nothing
     has those steps already, and one with no steps near here has nothing to extrapolate from."""
     policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
-    for _ in range(32):  # 16 requests, 6 of them verifying a draft
-        policy.observe_step(22, 0.02, 0.001, 1, num_draft_rows=6)
+    for _ in range(32):  # 16 requests verifying 3 drafts each: 64 rows about a base of 16
+        policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48)
     policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
     policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
     policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]

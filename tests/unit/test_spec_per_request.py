@@ -649,7 +649,10 @@ def test_adaptive_engines_profile_step_time_against_rows_at_start(models: dict[s
     adaptive = llm.engine.adaptive
     assert adaptive is not None and adaptive.costs._profile is not None
     rows, fwd, _, head = adaptive.costs._profile
-    assert rows[0] == 1 and rows[-1] == 100 and (np.diff(rows) > 0).all()
+    # the grid up to the token budget; past the profile's time budget (a slow CPU, or a busy one:
+    # beside two busy cores this engine's start-up stopped at 64 rows) cut where it may stop
+    grid, measured = [r for r in PROFILE_ROWS if r < 100] + [100], rows.tolist()
+    assert measured == grid or (measured == grid[: len(measured)] and profile_may_stop_after(grid, len(measured) - 1))
     assert (fwd > 0).all() and (np.diff(fwd) >= 0).all() and head[0] == 0 and (np.diff(head) >= 0).all()
     # and, at a few of those rows, as a verification holds them, k + 1 rows to a sequence
     k = llm.engine.cfg.speculative.num_speculative_tokens

@@ -36,6 +36,13 @@ from phalanx import LLM, SamplingParams
 from phalanx.training.prompts import builtin_prompt_set
 
 
+def engine_work(llm: LLM) -> tuple[int, float, float, float]:
+    """The engine's steps so far, and its seconds in the target's forward, in the drafter and in
+    its steps (`EngineCore.step`) in all."""
+    engine = llm.engine
+    return engine.num_steps, engine.runner.forward_seconds, engine.runner.drafter_seconds, engine.step_seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -104,14 +111,12 @@ def main() -> None:
         order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
         for name, (llm, extra) in order:
             before = llm.engine.stats()
-            runner = llm.engine.runner
-            work = (llm.engine.num_steps, runner.forward_seconds, runner.drafter_seconds, llm.engine.step_seconds)
+            work = engine_work(llm)
             start = time.perf_counter()
             outs = llm.chat(msgs, params(extra, args.max_tokens), use_tqdm=False)
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
             if args.only == "pair":  # where the round's time went
-                steps, fwd, drafter, stepped = (b - a for a, b in zip(work, (
-                    llm.engine.num_steps, runner.forward_seconds, runner.drafter_seconds, llm.engine.step_seconds)))
+                steps, fwd, drafter, stepped = (b - a for a, b in zip(work, engine_work(llm)))
                 print(f"  {name}: {steps} steps, forward {fwd:.3f} s, drafter {drafter:.3f} s, "
                       f"rest of the steps {stepped - fwd - drafter:.3f} s", flush=True)
             if name == deepest:

@@ -705,14 +705,9 @@ class StepCostModel:
         j = self.grid_point(base_rows)
         if j in self._drafted:
             return True
-        near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
+        steps = self._clean_steps_near(j)  # (first: it writes the queued steps into the window)
         drafting = (self._passes > 0) if passes else (self._drafts > 0)
-        # A step that also ran a prompt chunk or a drafter catch-up is mostly that work: a round of
-        # new requests opens with such steps, and priced on them the demo's first round at 16
-        # requests after rounds at one (AVX512-BF16) read drafting 3 at 0.82 of drafting nothing,
-        # drafted nothing and parked 387 of 512 requests, at ~0.6 of k = 3's tokens a second.
-        clean = self._decode_steps() & ~self._caught_up()
-        if int((np.isfinite(self._step) & drafting & near & clean).sum()) < enough:
+        if int((steps & drafting).sum()) < enough:
             return False
         self._drafted.add(j)
         return True
@@ -728,13 +723,25 @@ class StepCostModel:
         j = self.grid_point(base_rows)
         if j in self._undrafted:
             return False
-        near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
-        steps = np.isfinite(self._step) & near & self._decode_steps() & ~self._caught_up()
+        steps = self._clean_steps_near(j)
         quiet = int((steps & (self._drafts == 0)).sum())
         if quiet >= enough:
             self._undrafted.add(j)
             return False
         return int(steps.sum()) - quiet >= enough
+
+    def _clean_steps_near(self, j: int) -> np.ndarray:
+        """[window] the remembered decode steps (fewer than BULK_FEED prompt rows, no drafter
+        catch-up of as many positions) whose base (rows besides the drafts they verified) lies within
+        the fit's cut of grid point `j`: the steps that tell what drafting costs at this batch size
+        and what a step without it takes. A step that also ran a prompt chunk or a drafter catch-up is
+        mostly that work: a round of new requests opens with such steps, and priced on them the
+        demo's first round at 16 requests after rounds at one (AVX512-BF16) read drafting 3 at 0.82
+        of drafting nothing, drafted nothing and parked 387 of 512 requests, at ~0.6 of k = 3's
+        tokens a second."""
+        self._flush()
+        near = np.abs(self._nearness(self._grid_rows(j), self._rows - self._drafts)) <= 2.0
+        return np.isfinite(self._step) & near & self._decode_steps() & ~self._caught_up()
 
     def _near_any(self, j: int) -> bool:
         """Whether grid point `j` has a measured step within its cut (asked lately: the answer stands

@@ -30,6 +30,7 @@ from phalanx.engine.core_process import STEP_DELAY_ENV
 from phalanx.net import free_listen_ports
 from tests.dp.harness import process_alive
 from tests.e2e.conftest import MODEL_NAME, ServerProcess, serve_command, start_server
+from tests.e2e.test_server_lifecycle import gauge_sum, metrics, parse_metrics
 from tests.tiny_models import VOCAB, make_eagle_head, make_model
 
 pytestmark = pytest.mark.slow  # each test starts servers with several engine processes under load
@@ -143,9 +144,9 @@ def _check_load(server, model: Path, seed: int) -> None:  # noqa: ANN001
     # Aborted / dropped requests gave their blocks back: usage returns to 0 on every rank.
     deadline = time.monotonic() + 30  # a ceiling against a hang
     while time.monotonic() < deadline:
-        metrics = httpx.get(f"{server.base_url}/metrics").text
-        usage = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("phalanx:kv_cache_usage_perc")]
-        running = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("phalanx:num_requests_running")]
+        now = metrics(server.base_url)
+        usage = [v for (n, _), v in now.items() if n == "phalanx:kv_cache_usage_perc"]
+        running = [v for (n, _), v in now.items() if n == "phalanx:num_requests_running"]
         if usage and all(u == 0 for u in usage) and all(r == 0 for r in running):
             break
         time.sleep(0.5)
@@ -153,19 +154,19 @@ def _check_load(server, model: Path, seed: int) -> None:  # noqa: ANN001
         raise AssertionError(f"KV blocks not returned: {usage}, running {running}")
 
 
-def _drafts_by_rank(metrics: str) -> dict[str, float]:
+def _drafts_by_rank(server: ServerProcess) -> dict[str, float]:
     """phalanx:spec_decode_num_drafts_total per engine rank (its `engine` label), from /metrics. The
     counter's HELP / TYPE lines show up whether or not anything drafted: the values are what count."""
     out: dict[str, float] = {}
-    for line in metrics.splitlines():
-        if line.startswith("phalanx:spec_decode_num_drafts_total{"):
-            engine = line.split('engine="', 1)[1].split('"', 1)[0]
-            out[engine] = out.get(engine, 0.0) + float(line.split()[-1])
+    for (name, labels), value in metrics(server.base_url).items():
+        if name == "phalanx:spec_decode_num_drafts_total":
+            engine = dict(labels)["engine"]
+            out[engine] = out.get(engine, 0.0) + value
     return out
 
 
 def _assert_every_rank_drafted(server: ServerProcess) -> None:
-    drafts = _drafts_by_rank(httpx.get(f"{server.base_url}/metrics").text)
+    drafts = _drafts_by_rank(server)
     assert set(drafts) == {"0", "1"} and all(v > 0 for v in drafts.values()), drafts
 
 
@@ -295,16 +296,13 @@ def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Pat
     pids = server.engine_pids()
     assert len(pids) == 2
 
-    def running(text: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("phalanx:num_requests_running"))  # fmt: skip
 
     async def load_then_kill() -> list:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(8)]
             deadline = time.monotonic() + 120  # a ceiling against a hang
-            while running((await client.get("/metrics")).text) < 8:
+            while gauge_sum(parse_metrics((await client.get("/metrics")).text), "phalanx:num_requests_running") < 8:
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.05)
             os.kill(pids[1], signal.SIGKILL)

@@ -1110,6 +1110,43 @@ def test_a_policy_that_drafts_every_step_measures_a_step_without_drafts_now_and_
     assert run(QUIET_EXPLORE_EVERY) == ([[3]] * QUIET_EXPLORE_EVERY, [])
 
 
+def test_a_quiet_step_counts_though_its_drafter_catches_up_or_it_takes_a_prompt() -> None:
+    """A quiet decision leaves every request's new positions waiting in the drafter; the policy
+    drafts again at the next decision, so the step that verifies nothing is also the step whose
+    drafter feeds them: 16 requests, ~4 positions each waiting, a catch-up of BULK_FEED positions
+    or more. Under churn it often takes a new request's prompt chunk too. Either way it is a step
+    without drafts at 16 requests: QUIET_STEPS of them end the quiet explorations (counted among
+    the clean decode steps only, none ever counted, and a policy drafting at 16 requests or more
+    went quiet every QUIET_EXPLORE_EVERY decisions for good)."""
+    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
+    for _ in range(32):  # 16 requests verifying 3 drafts each, feeding the drafter 4 positions each
+        policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48, drafter_rows=64)
+    policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
+    policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
+    policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
+        [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
+    for _ in range(30):
+        policy.observe_verification("a", 3, 3)
+    quiet = 0
+    for _ in range((QUIET_STEPS + 2) * QUIET_EXPLORE_EVERY):
+        chosen = policy.choose(["a"], [3], base_rows=16)
+        if policy.last_decision == "quiet":
+            quiet += 1
+            assert chosen == [0]
+            # the step that decision gave: 16 requests, nothing verified; the next decision drafts,
+            # so its drafter catches 64 waiting positions up besides the step's rows (every other
+            # one with a 100-token prompt chunk besides)
+            prompt = 100 * (quiet % 2)
+            policy.observe_step(16 + prompt, 0.02, 0.004, 3, num_logit_rows=16, num_draft_rows=0,
+                                drafter_rows=80 + prompt)
+            policy.costs._flush()  # (not a clean decode step: a catch-up)
+            assert bool(policy.costs._caught_up()[(policy.costs._next - 1) % policy.costs.window])
+        else:
+            policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48, drafter_rows=64)
+    assert quiet == QUIET_STEPS
+    assert not policy.costs.only_drafted_near(16, QUIET_STEPS)
+
+
 def test_an_exploration_that_must_catch_up_a_long_wait_is_a_costly_one() -> None:
     """"a" accepts every draft (it drafts its cap), "b" none (no drafts): every EXPLORE_EVERY-th
     decision gives "b" one draft, a row of 0.1 of a 1 s step. With 200 positions of "b"'s drafter

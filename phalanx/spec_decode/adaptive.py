@@ -725,14 +725,15 @@ class StepCostModel:
         if j in self._undrafted:
             return False
         # A step that verified nothing counts near the batch of its requests (its rows that computed
-        # logits), with a prompt chunk or a drafter catch-up in it or not: it measures the step
-        # without drafts there all the same (the fit prices a prompt chunk's rows on the profile's
-        # shape and reads the verification's fixed cost from every pair of steps). Where the
-        # policy drafts again right after a quiet step, that step's drafter feeds every request
-        # the positions the quiet decision left waiting (from about 8 requests on, a catch-up of
-        # BULK_FEED positions or more), and under churn most steps take a new request's prompt:
-        # counted among the clean steps only, few or none counted, and the demo at 32 requests
-        # drafting 3 went quiet every 64th decision for good (~2 % of its tokens a second).
+        # logits), with a prompt chunk or a drafter catch-up in it or not. Where the policy drafts
+        # again right after a quiet step, that step's drafter feeds every request the positions
+        # the quiet decision left waiting (from about 8 requests on, a catch-up of BULK_FEED
+        # positions or more; the forward, what the step is for, is a decode step's all the same),
+        # and under churn most steps take a new request's prompt besides: counted among the clean
+        # steps only, few or none counted, and the demo at 32 requests drafting 3 went quiet every
+        # 64th decision for good (~2 % of its tokens a second). A quiet step with a long prompt
+        # chunk informs the fits near its whole rows rather than its requests' (the fit's kernel);
+        # it still counts here: an exploration whose steps cannot land nearer would never end.
         requests = self._nearness(self._grid_rows(j), self._logit_rows - self._drafts)
         quiet = int((np.isfinite(self._step) & (np.abs(requests) <= 2.0) & (self._drafts == 0)).sum())
         if quiet >= enough:

@@ -734,7 +734,7 @@ class StepCostModel:
         # 64th decision for good (~2 % of its tokens a second). A quiet step with a long prompt
         # chunk informs the fits near its whole rows rather than its requests' (the fit's kernel);
         # it still counts here: an exploration whose steps cannot land nearer would never end.
-        requests = self._nearness(self._grid_rows(j), self._logit_rows - self._drafts)
+        requests = self._nearness(self._grid_rows(j), self._logit_rows)  # (no drafts: one a request)
         quiet = int((np.isfinite(self._step) & (np.abs(requests) <= 2.0) & (self._drafts == 0)).sum())
         if quiet >= enough:
             self._undrafted.add(j)

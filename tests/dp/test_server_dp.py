@@ -296,7 +296,6 @@ def test_killing_a_lockstep_rank_mid_load(models: dict[str, Path], tmp_path: Pat
     pids = server.engine_pids()
     assert len(pids) == 2
 
-
     async def load_then_kill() -> list:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}

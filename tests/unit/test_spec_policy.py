@@ -1077,21 +1077,29 @@ def test_an_exploration_that_costs_little_runs_every_16th_decision() -> None:
         assert all(c == [2] for c in chosen if c != [1])
 
 
-def test_a_policy_that_drafts_every_step_measures_a_step_without_drafts_now_and_then() -> None:
-    """Every step near 16 requests verified drafts: the step drafting is weighed against is only
-    extrapolated from them. Every QUIET_EXPLORE_EVERY decisions (half-way between the wide
-    explorations) no request drafts, until the window holds QUIET_STEPS decode steps about this
-    size that verified nothing; then the policy drafts as it chose. A policy that drafts nothing
-    has those steps already, and one with no steps near here has nothing to extrapolate from."""
+def _drafting_every_step_at_16() -> AdaptiveDrafting:
+    """A policy whose window holds 32 steps of 16 requests verifying 3 drafts each (64 rows about a
+    base of 16, the drafter fed each request's 4 positions), a request "a" that accepts every
+    draft, and a synthetic step cost (1 s a step, 0.1 a draft row or a later pass)."""
     policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
-    for _ in range(32):  # 16 requests verifying 3 drafts each: 64 rows about a base of 16
-        policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48)
+    for _ in range(32):
+        policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48, drafter_rows=64)
     policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
     policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
     policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
         [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
     for _ in range(30):
         policy.observe_verification("a", 3, 3)
+    return policy
+
+
+def test_a_policy_that_drafts_every_step_measures_a_step_without_drafts_now_and_then() -> None:
+    """Every step near 16 requests verified drafts: the step drafting is weighed against is only
+    extrapolated from them. Every QUIET_EXPLORE_EVERY decisions (half-way between the wide
+    explorations) no request drafts, until the window holds QUIET_STEPS decode steps about this
+    size that verified nothing; then the policy drafts as it chose. A policy that drafts nothing
+    has those steps already, and one with no steps near here has nothing to extrapolate from."""
+    policy = _drafting_every_step_at_16()
 
     def run(n: int) -> tuple[list[list[int]], list[int]]:
         chosen, quiet = [], []
@@ -1118,15 +1126,7 @@ def test_a_quiet_step_counts_though_its_drafter_catches_up_or_it_takes_a_prompt(
     without drafts at 16 requests: QUIET_STEPS of them end the quiet explorations (counted among
     the clean decode steps only, none ever counted, and a policy drafting at 16 requests or more
     went quiet every QUIET_EXPLORE_EVERY decisions for good)."""
-    policy = AdaptiveDrafting(3, drafter_passes=True, min_drafting_steps=0)
-    for _ in range(32):  # 16 requests verifying 3 drafts each, feeding the drafter 4 positions each
-        policy.observe_step(64, 0.03, 0.003, 3, num_draft_rows=48, drafter_rows=64)
-    policy.costs.measured_near = lambda rows: True  # type: ignore[method-assign]
-    policy.costs.request_cost = lambda rows: 0.0  # type: ignore[method-assign]
-    policy.costs.step_cost = lambda base, extra, logits=None: (  # type: ignore[method-assign]
-        [1.0 + 0.1 * m for m in range(extra + 1)], 0.0, 0.1)
-    for _ in range(30):
-        policy.observe_verification("a", 3, 3)
+    policy = _drafting_every_step_at_16()
     quiet = 0
     for _ in range((QUIET_STEPS + 2) * QUIET_EXPLORE_EVERY):
         chosen = policy.choose(["a"], [3], base_rows=16)

@@ -717,9 +717,9 @@ class StepCostModel:
         catch-up) that verified drafts with their base (rows besides the drafts) within the fit's
         cut of the grid point that stands for `base_rows`, and fewer than `enough` steps that
         verified none with their requests (rows that computed logits) within it: the step
-        drafting is weighed against is extrapolated from drafting steps
-        there, not measured (`QUIET_EXPLORE_EVERY`). A no for having enough of the latter stands as
-        long as the fits do (`_expire`)."""
+        drafting is weighed against is extrapolated from drafting steps there, not measured
+        (`QUIET_EXPLORE_EVERY`). A no for having enough of the latter stands as long as the fits
+        do (`_expire`)."""
         self._expire()
         j = self.grid_point(base_rows)
         if j in self._undrafted:
@@ -744,8 +744,9 @@ class StepCostModel:
     def _clean_steps_near(self, j: int) -> np.ndarray:
         """[window] the remembered decode steps (fewer than BULK_FEED prompt rows, no drafter
         catch-up of as many positions) whose base (rows besides the drafts they verified) lies within
-        the fit's cut of grid point `j`: the steps that tell what drafting costs at this batch size
-        and what a step without it takes. A step that also ran a prompt chunk or a drafter catch-up is
+        the fit's cut of grid point `j`: the drafting steps among them tell what drafting costs at
+        this batch size (`drafted_near`, `only_drafted_near`; the latter counts the steps without
+        drafts apart, catch-up or prompt chunk or not). A step that also ran a prompt chunk or a drafter catch-up is
         mostly that work: a round of new requests opens with such steps, and priced on them the
         demo's first round at 16 requests after rounds at one (AVX512-BF16) read drafting 3 at 0.82
         of drafting nothing, drafted nothing and parked 387 of 512 requests, at ~0.6 of k = 3's

@@ -40,6 +40,7 @@ See docs/dp-protocol.md.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -188,6 +189,8 @@ def run_engine_core(config_bytes: bytes) -> None:
         delay = step_delay_s()
         engine = _build_engine(cfg)
         kill_switch = fault_injection.arm(engine, cfg.rank, cfg.generation)
+        logger.info("engine rank %d: %d start-up objects frozen out of the collector's reach", cfg.rank,
+                    freeze_start_up_heap())
     except Exception as e:  # noqa: BLE001 - start-up errors (bad path, bad config, OOM) are reported, not raised
         out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}", cfg.generation)))
         code = 1
@@ -224,6 +227,21 @@ def run_engine_core(config_bytes: bytes) -> None:
     out_sock.close()
     ctx.term()
     sys.exit(code)
+
+
+def freeze_start_up_heap() -> int:
+    """Collect once, then move everything alive (torch's and numpy's modules, the model, the
+    engine) out of the cyclic collector's reach for good (`gc.freeze`), as the API server does with
+    its own: it lives as long as the process. Returns the objects frozen. Otherwise every full
+    collection walks all of it and stalls the step loop meanwhile: the demo model with its EAGLE
+    head leaves ~190,000 objects, ~75 ms a full collection (a whole decode step at 16 requests
+    takes ~2 ms). They come whenever enough objects outlived two younger collections: serving the
+    demo's mixed workload at 16 requests, one in ~5 minutes (58 ms, every request in flight waiting
+    it out); in one process with the detokenizer (`LLM`, offline) one in ~10 s, 140-156 ms.
+    Frozen, a full collection takes ~0.01 ms."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _build_engine(cfg: EngineProcessConfig):  # -> EngineCore (imported lazily: torch)

@@ -110,6 +110,13 @@ def test_served_engine_logs_its_threads(server: ServerProcess) -> None:
     assert f"engine rank 0: {local_threads(1)} torch thread(s)" in server.log()
 
 
+def test_served_engine_freezes_its_start_up_heap(server: ServerProcess) -> None:
+    """The engine process moves its start-up heap (torch, the model: ~10^5 objects) out of the
+    collector's reach before serving (`core_process.freeze_start_up_heap`)."""
+    line = next(ln for ln in server.log().splitlines() if "start-up objects frozen" in ln)
+    assert int(line.split("engine rank 0: ")[1].split()[0]) > 10_000
+
+
 def _torch_libraries(pid: int) -> set[str]:
     with open(f"/proc/{pid}/maps") as f:
         return {line.split()[-1] for line in f if "libtorch" in line}

@@ -1301,8 +1301,11 @@ class AdaptiveDrafting:
             return list(caps)
         if top > self.k:
             caps = [min(c, self.k) for c in caps]
-        key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
-        own_caps = [c for c in caps if c]  # those of the requests that may draft, in key order
+        if 0 in caps:  # those that may draft, and their caps, in batch order
+            key = (tuple(r for r, c in zip(req_ids, caps) if c), base_rows)
+            own_caps = [c for c in caps if c]
+        else:  # every request (the common case: plain tuple and list copies, no filtering)
+            key, own_caps = (tuple(req_ids), base_rows), list(caps)
         grid = self.costs.grid_point(base_rows)
         self._decisions += 1
         reused = self._reuse(key, caps, own_caps, grid)

@@ -234,11 +234,11 @@ def freeze_start_up_heap() -> int:
     engine) out of the cyclic collector's reach for good (`gc.freeze`), as the API server does with
     its own: it lives as long as the process. Returns the objects frozen. Otherwise every full
     collection walks all of it and stalls the step loop meanwhile: the demo model with its EAGLE
-    head leaves ~190,000 objects, ~75 ms a full collection (a whole decode step at 16 requests
-    takes ~2 ms). They come whenever enough objects outlived two younger collections: serving the
-    demo's mixed workload at 16 requests, one in ~5 minutes (58 ms, every request in flight waiting
-    it out); in one process with the detokenizer (`LLM`, offline) one in ~10 s, 140-156 ms.
-    Frozen, a full collection takes ~0.01 ms."""
+    head leaves ~170,000-190,000 objects, ~75 ms a full collection (a whole decode step at 16
+    requests takes ~2 ms). They come whenever enough objects outlived two younger collections:
+    serving the demo's mixed workload at 16 requests, one in ~5 minutes (58 ms, every request in
+    flight waiting it out); in one process with the detokenizer (`LLM`, offline) one in ~10-20 s,
+    140-156 ms. Frozen, a full collection takes ~0.01 ms."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

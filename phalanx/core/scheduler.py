@@ -253,30 +253,25 @@ class Scheduler:
         caps = [0] * len(reqs) if off else [self._draft_cap(req) if req.own_draft_cap else 0 for req in reqs]
         if self.adaptive is None or not any(caps):
             lengths = caps
-        elif not any(req.pinned for req in reqs):  # the policy chooses for every request
-            lengths = self.adaptive.choose(req_ids, caps, base_rows, self._lags(reqs, caps))
         else:
             # A pinned request (`speculative_adaptive=False`) drafts its cap; the policy chooses for
-            # the others, its drafts part of their batch (verified in it, base rows to the policy).
-            pinned = [req.pinned and cap > 0 for req, cap in zip(reqs, caps)]
-            pinned_rows = sum(cap for cap, p in zip(caps, pinned) if p)
-            own = [0 if p else cap for cap, p in zip(caps, pinned)]
+            # the others (a cap of 0 to it), the pinned drafts part of their batch (verified in it,
+            # base rows to the policy). Positions each request's drafter catch-up has waiting (fed
+            # when it drafts again) go with it.
+            own = [0 if req.pinned else cap for req, cap in zip(reqs, caps)]
+            pinned_rows = sum(caps) - sum(own)
             if any(own):
-                chosen = self.adaptive.choose(req_ids, own, base_rows + pinned_rows, self._lags(reqs, own),
-                                              extra_logit_rows=pinned_rows)
+                waiting = self._drafter_waiting
+                lags = [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
+                        for req, cap in zip(reqs, own)]
+                chosen = self.adaptive.choose(req_ids, own, base_rows + pinned_rows, lags, extra_logit_rows=pinned_rows)
+                # the policy gives 0 where its cap is 0: a pinned request's length is its cap
+                lengths = [n + cap - o for n, cap, o in zip(chosen, caps, own)] if pinned_rows else chosen
             else:
-                chosen = own
-            lengths = [cap if p else n for cap, p, n in zip(caps, pinned, chosen)]
+                lengths = caps
         for d in lengths:
             self.spec_draft_lengths[d] += 1
         return dict(zip(req_ids, lengths))
-
-    def _lags(self, reqs: list[Request], caps: list[int]) -> list[int]:
-        """Per request, the positions its drafter catch-up has waiting (fed when it drafts again;
-        0 for a request the policy does not choose for, `caps` 0)."""
-        waiting = self._drafter_waiting
-        return [max(req.num_computed_tokens - waiting.get(req.req_id, 1 << 62), 0) if cap else 0
-                for req, cap in zip(reqs, caps)]
 
     def _draft_cap(self, req: Request) -> int:
         """The request's own cap, and the room for drafts after this step's token (`_clip_drafts`

@@ -189,8 +189,8 @@ def run_engine_core(config_bytes: bytes) -> None:
         delay = step_delay_s()
         engine = _build_engine(cfg)
         kill_switch = fault_injection.arm(engine, cfg.rank, cfg.generation)
-        logger.info("engine rank %d: %d start-up objects frozen out of the collector's reach", cfg.rank,
-                    freeze_start_up_heap())
+        frozen = freeze_start_up_heap()
+        logger.info("engine rank %d: %d start-up objects frozen out of the collector's reach", cfg.rank, frozen)
     except Exception as e:  # noqa: BLE001 - start-up errors (bad path, bad config, OOM) are reported, not raised
         out_sock.send(encoder.encode(EngineFailed(cfg.rank, f"{type(e).__name__}: {e}", cfg.generation)))
         code = 1

@@ -104,6 +104,21 @@ def test_bad_requests_streaming_then_serving(http: httpx.Client) -> None:
     _normal_request_works(http)
 
 
+def test_null_fields_are_unset(http: httpx.Client) -> None:
+    """OpenAI's optional parameters are nullable: a null is the field not sent (the same answer),
+    an unsupported field's null asks for nothing; a required field's null is still a 400."""
+    want = http.post(CHAT, json={"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, "temperature": 0})
+    nulls = dict.fromkeys(("stream", "n", "ignore_eos", "speculative", "logprobs", "stream_options", "tools",
+                           "response_format", "skip_special_tokens"))
+    got = http.post(CHAT, json={"model": MODEL_NAME, "messages": MSGS, "max_tokens": 4, "temperature": 0, **nulls})
+    assert want.status_code == got.status_code == 200, got.text
+    assert got.headers["content-type"].startswith("application/json")  # not streamed
+    assert got.json()["choices"] == want.json()["choices"]
+    r = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2, "echo": None, "n": None, "suffix": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    _check_error(http.post(CHAT, json={"messages": None}), 400, "messages", "messages")
+
+
 def test_malformed_json(http: httpx.Client) -> None:
     r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     _check_error(r, 400, "JSON")

@@ -31,9 +31,9 @@ one). None of them changes the output, only its speed.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from phalanx.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -59,8 +59,27 @@ def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
+def _admits_null(annotation: Any) -> bool:
+    """Whether a field of this type holds None (`X | None`, `Optional[X]`)."""
+    return annotation is type(None) or type(None) in get_args(annotation)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A field sent as null that cannot hold null is a field not sent: it takes its default, and
+        one phalanx does not support asks for nothing, so it is not refused (`"stream": null`,
+        `"tools": null`: OpenAI's optional parameters are nullable, and clients send them so). A
+        field that can hold null keeps it (completions' `max_tokens`: up to the context length),
+        and a required one's null is refused with the type it needs."""
+        if not isinstance(data, dict) or not any(v is None for v in data.values()):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or (k in fields and (fields[k].is_required() or _admits_null(fields[k].annotation)))}
 
 
 class StreamOptions(_Strict):

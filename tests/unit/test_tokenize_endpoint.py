@@ -1,7 +1,8 @@
 """`/tokenize` honours every field it accepts (vLLM's two forms in one body): `add_special_tokens`
 with `prompt` (default true) and with `messages` (default false: the chat template carries its
 special tokens), and the chat template's fields with `messages` only (with `prompt` they are a 400
-naming the field, not silently ignored). The real app over a fake engine (no processes)."""
+naming the field, not silently ignored; sent as null they ask for nothing). The real app over a fake
+engine (no processes)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def test_tokenize_honours_add_special_tokens_and_refuses_chat_fields_with_a_prom
                 "chat_no_opener": await tokens({"messages": MSGS, "add_generation_prompt": False}),
                 "bad": await tokens({"prompt": "hello", "add_generation_prompt": False}),
                 "bad_kwargs": await tokens({"prompt": "hello", "chat_template_kwargs": {}}),
+                "null_chat_fields": await tokens({"prompt": "hello", **dict.fromkeys(
+                    ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens"))}),
             }
 
     got = asyncio.run(run())
@@ -51,6 +54,7 @@ def test_tokenize_honours_add_special_tokens_and_refuses_chat_fields_with_a_prom
                               add_special_tokens=False).input_ids
     assert got["chat_special"] == [bos, *got["chat"]]
     assert got["chat_no_opener"] == got["chat"]  # this template has no assistant opener
+    assert got["null_chat_fields"] == got["prompt"]  # null: asking for nothing (the defaults)
     for key, field in (("bad", "add_generation_prompt"), ("bad_kwargs", "chat_template_kwargs")):
         status, error = got[key]
         assert status == 400 and error["param"] == field and "'messages' only" in error["message"], got[key]

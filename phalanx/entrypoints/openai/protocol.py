@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from phalanx.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -59,9 +60,11 @@ def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
-def _admits_null(annotation: Any) -> bool:
-    """Whether a field of this type holds None (`X | None`, `Optional[X]`)."""
-    return annotation is type(None) or type(None) in get_args(annotation)
+def _null_kept(field: FieldInfo) -> bool:
+    """Whether a null sent for this field means something besides its default: a required field's
+    (refused with the type it needs) and a nullable one's whose default is not None (completions'
+    `max_tokens`: up to the context length, not 16)."""
+    return field.is_required() or (type(None) in get_args(field.annotation) and field.get_default() is not None)
 
 
 class _Strict(BaseModel):
@@ -70,16 +73,14 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """A field sent as null that cannot hold null is a field not sent: it takes its default, and
-        one phalanx does not support asks for nothing, so it is not refused (`"stream": null`,
-        `"tools": null`: OpenAI's optional parameters are nullable, and clients send them so). A
-        field that can hold null keeps it (completions' `max_tokens`: up to the context length),
-        and a required one's null is refused with the type it needs."""
+        """A field sent as null is a field not sent (`"stream": null`, `"tools": null`: OpenAI's
+        optional parameters are nullable, and clients send them so): it takes its default, is not
+        among the fields set, and one phalanx does not support asks for nothing, so it is not
+        refused; except where the null means something else (`_null_kept`)."""
         if not isinstance(data, dict) or not any(v is None for v in data.values()):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or (k in fields and (fields[k].is_required() or _admits_null(fields[k].annotation)))}
+        return {k: v for k, v in data.items() if v is not None or (k in fields and _null_kept(fields[k]))}
 
 
 class StreamOptions(_Strict):

@@ -300,8 +300,8 @@ def build_app(state: ServerState) -> FastAPI:
             prompt = await serving.chat_prompt(req, add_special_tokens=req.special_tokens())
         else:
             assert req.prompt is not None
-            for name in TokenizeRequest.CHAT_ONLY:  # (sent as null: asking for nothing)
-                if name in req.model_fields_set and getattr(req, name) is not None:
+            for name in TokenizeRequest.CHAT_ONLY:  # (sent as null: not set, `protocol._Strict`)
+                if name in req.model_fields_set:
                     raise APIError(400, f"{name} applies to 'messages' only, not to 'prompt'", param=name)
             prompt = await serving.prompts.encode(req.prompt, req.special_tokens())
         ids = prompt.token_ids
